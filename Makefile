@@ -1,0 +1,49 @@
+# The lab's commands. `make run` and `make test` each set everything up first (idempotent, quick
+# when already done): a .venv with torch installed first by its pin (so nothing pulls a CUDA build),
+# the package with its dev extras, and the report JavaScript from npm (when npm exists).
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH := torch==2.13.0
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+STAMP := $(VENV)/.stamp-install
+
+.PHONY: setup run test test-fast test-gpu lab clean
+
+setup: $(STAMP) node_modules/.package-lock.json
+
+$(STAMP): pyproject.toml environment.yml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) $(TORCH)
+	$(PIP) $(TORCH) -e ".[dev]"
+	-@$(VENV)/bin/nbstripout --install 2>/dev/null  # git filter: notebooks are committed without outputs
+	@touch $@
+
+node_modules/.package-lock.json: package.json package-lock.json
+	@if command -v npm >/dev/null; then npm ci --no-audit --no-fund --loglevel=error; \
+	else echo "npm not found: reports will render without widgets and MathJax (install Node.js + npm, then make setup)"; fi
+
+## run every notebook at smoke scale -> reports/*.html, reports/index.html (ARGS="-p seed 1" to override)
+run: setup
+	$(PY) -m lab run all $(ARGS)
+
+## unit tests, every notebook through the runner, offline browser and JupyterLab checks
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## the quick loop: unit tests only
+test-fast: setup
+	$(PY) -m pytest -m "not notebook and not browser" $(PYTEST_ARGS)
+
+## on a CUDA machine: GPU-marked tests (kernels without the interpreter) and notebooks with device=cuda
+test-gpu: setup
+	TRITON_INTERPRET=0 $(PY) -m pytest -m gpu $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PY) -m lab run all -p device cuda --out reports/gpu
+
+## JupyterLab on the notebooks folder
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks
+
+clean:
+	rm -rf reports .pytest_cache

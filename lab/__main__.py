@@ -1,0 +1,3 @@
+from lab.cli import main
+
+raise SystemExit(main())

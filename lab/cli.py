@@ -1,0 +1,220 @@
+"""`python -m lab run|list|report` — the runner users, tests and CI share.
+
+    python -m lab run 00_tour                    # one notebook (stem, or slug: `tour`)
+    python -m lab run all -p seed 3 --out /tmp/r  # every notebook, a parameter override, another folder
+    python -m lab list                           # notebooks, their papers, last recorded status
+    python -m lab report                         # re-render HTML + index from executed notebooks
+
+`run` validates every parameter before any kernel starts (a bad value is one sentence on stderr,
+exit 2, nothing written), then for each notebook: papermill (kernel `python3`, cwd = the notebook's
+folder, a per-cell timeout) into `DIR/<stem>.ipynb`, the run record `DIR/<stem>.json` (params,
+seconds, status, claims, metrics), the offline page `DIR/<stem>.html`, and finally `DIR/index.html`.
+Exit 0 only if every notebook ran and every claim passed. A failed notebook keeps its executed copy
+(papermill marks the failing cell) and its record says `failed` (a claim did not hold) or `error`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lab.core.params import ParamError, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+CONTRACT = ("scale", "device", "seed", "model")
+
+
+class UsageError(Exception):
+    """A bad command line: printed as one sentence, exit code 2."""
+
+
+def notebooks(folder: Path) -> dict[str, Path]:
+    """`{stem: path}` for every notebook in `folder`, sorted."""
+    return {p.stem: p for p in sorted(folder.glob("*.ipynb"))}
+
+
+def resolve(names: list[str], folder: Path) -> list[Path]:
+    """Notebook stems (`09_gather_aggregate`), slugs (`gather_aggregate`) or `all` -> paths."""
+    found = notebooks(folder)
+    if names == ["all"]:
+        return list(found.values())
+    out = []
+    for name in names:
+        match = [p for stem, p in found.items() if name in (stem, stem.split("_", 1)[-1])]
+        if not match:
+            raise UsageError(f"no notebook named {name!r} in {folder}; known: {', '.join(found) or 'none'}.")
+        out += [p for p in match if p not in out]
+    return out
+
+
+def parse_value(text: str):
+    """`-p` values as papermill reads them: int, float, bool, None, else the string."""
+    try:
+        value = ast.literal_eval(text)
+        return value if isinstance(value, (int, float, bool, type(None))) else text
+    except (ValueError, SyntaxError):
+        return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def defaults(nb_path: Path) -> dict:
+    """The notebook's parameters cell as `{name: default}` (papermill's own parser)."""
+    import papermill as pm
+
+    params = pm.inspect_notebook(str(nb_path))
+    if not all(k in params for k in CONTRACT):
+        raise UsageError(f"{nb_path.name} has no parameters cell with {', '.join(CONTRACT)}.")
+    return {k: ast.literal_eval(v["default"]) for k, v in params.items()}
+
+
+def plan(paths: list[Path], overrides: dict) -> list[tuple[Path, dict, dict]]:
+    """(notebook, overrides, effective params) for each notebook, all validated before any run."""
+    out = []
+    for path in paths:
+        base = defaults(path)
+        unknown = [k for k in overrides if k not in base]
+        if unknown:
+            raise UsageError(f"{path.stem} has no parameter {unknown[0]!r}; its parameters are {', '.join(base)}.")
+        params = {**base, **overrides}
+        validate(*(params[k] for k in CONTRACT))
+        out.append((path, overrides, params))
+    return out
+
+
+def title_of(nb) -> str:
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return ""
+
+
+def read_jsonl(path: Path) -> tuple[list[dict], dict]:
+    claims, metrics = [], {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.pop("kind") == "claim":
+                claims.append(rec)
+            else:
+                metrics[rec["name"]] = rec["value"]
+    return claims, metrics
+
+
+def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeout: int) -> dict:
+    """Execute one notebook, write its executed copy, record and page; returns the record."""
+    import nbformat
+    import papermill as pm
+
+    from lab import report
+
+    stem = path.stem
+    for suffix in (".json", ".html"):  # a stale success must not survive a failed re-run
+        (out / f"{stem}{suffix}").unlink(missing_ok=True)
+    fd, jsonl = tempfile.mkstemp(suffix=".jsonl")
+    os.close(fd)
+    os.environ["LAB_RECORD_FILE"] = jsonl
+    status, error, t0 = "passed", None, time.perf_counter()
+    try:
+        pm.execute_notebook(str(path), str(out / f"{stem}.ipynb"), parameters=overrides, kernel_name="python3",
+                            cwd=str(path.parent), execution_timeout=cell_timeout, start_timeout=120,
+                            progress_bar=False, log_output=False)
+    except pm.PapermillExecutionError as e:
+        status = "failed" if e.ename == "ClaimFailed" else "error"
+        error = f"{e.ename}: {e.evalue}"
+    except Exception as e:  # kernel death, timeout, ...
+        status, error = "error", f"{type(e).__name__}: {e}"
+    finally:
+        os.environ.pop("LAB_RECORD_FILE", None)
+    seconds = time.perf_counter() - t0
+    claims, metrics = read_jsonl(Path(jsonl))
+    Path(jsonl).unlink(missing_ok=True)
+    if status == "passed" and not all(c["passed"] for c in claims):
+        status = "failed"
+    executed = out / f"{stem}.ipynb"
+    nb = nbformat.read(str(executed if executed.exists() else path), as_version=4)
+    rec = {"notebook": stem, "title": title_of(nb), "paper": nb.metadata.get("lab", {}).get("paper", ""),
+           "params": params, "seconds": round(seconds, 2), "status": status, "claims": claims,
+           "metrics": metrics}
+    if error:
+        rec["error"] = error
+    if executed.exists():
+        report.ensure_static(out)
+        report.export_html(executed, out / f"{stem}.html")
+    report.atomic_write(out / f"{stem}.json", json.dumps(rec, indent=1, default=str))
+    return rec
+
+
+def cmd_run(args) -> int:
+    from lab import report
+
+    overrides = {k: parse_value(v) for k, v in args.param}
+    todo = plan(resolve(args.names, args.notebooks), overrides)  # raises before anything is written
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ok = True
+    for path, ov, params in todo:
+        timeout = args.cell_timeout or (300 if params["scale"] == "smoke" else 7200)
+        rec = run_one(path, ov, params, out, cell_timeout=timeout)
+        n_pass = sum(c["passed"] for c in rec["claims"])
+        print(f"{rec['notebook']:<28} {rec['status']:<7} {rec['seconds']:7.1f} s  "
+              f"claims {n_pass}/{len(rec['claims'])}  {out / (rec['notebook'] + '.html')}", flush=True)
+        if rec.get("error"):
+            print(f"  {rec['error'].splitlines()[0] if rec['error'] else ''}", flush=True)
+        ok &= rec["status"] == "passed"
+    print(f"index: {report.build_index(out)}")
+    return 0 if ok else 1
+
+
+def cmd_list(args) -> int:
+    import nbformat
+
+    for stem, path in notebooks(args.notebooks).items():
+        nb = nbformat.read(str(path), as_version=4)
+        rec_path = Path(args.out) / f"{stem}.json"
+        last = "never run"
+        if rec_path.exists():
+            rec = json.loads(rec_path.read_text())
+            last = f"{rec['status']} ({rec['seconds']:.0f} s)"
+        print(f"{stem:<28} {last:<16} {nb.metadata.get('lab', {}).get('paper') or title_of(nb)}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from lab import report
+
+    out = Path(args.out)
+    for executed in sorted(out.glob("*.ipynb")):
+        report.ensure_static(out)
+        report.export_html(executed, out / f"{executed.stem}.html")
+    print(f"index: {report.build_index(out)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lab", description="Run the lab's notebooks and report them.")
+    ap.add_argument("--notebooks", type=Path, default=NOTEBOOKS, help=argparse.SUPPRESS)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="execute notebooks into reports")
+    run.add_argument("names", nargs="+", help="notebook stems or slugs, or 'all'")
+    run.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    run.add_argument("--out", default="reports", help="output folder (default: reports)")
+    run.add_argument("--cell-timeout", type=int, default=None,
+                     help="seconds per cell (default 300 at smoke scale, 7200 at full)")
+    lst = sub.add_parser("list", help="notebooks, papers and last status")
+    lst.add_argument("--out", default="reports")
+    rep = sub.add_parser("report", help="re-render HTML and the index from executed notebooks")
+    rep.add_argument("--out", default="reports")
+    args = ap.parse_args(argv)
+    try:
+        return {"run": cmd_run, "list": cmd_list, "report": cmd_report}[args.cmd](args)
+    except (UsageError, ParamError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,39 @@
+"""Loading real checkpoints (full scale) by the same code path as saved tiny models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class ModelNotAvailable(RuntimeError):
+    """A model is neither a local folder nor reachable on the hub."""
+
+
+def load_model(name_or_path: str, *, device: str = "cpu", dtype=None, attn_implementation: str = "eager"):
+    """`(model, tokenizer)` from a local folder (written by `save_pretrained`) or a hub id.
+
+    The tokenizer is None when the folder has none. Offline (no network, or `HF_HUB_OFFLINE=1`, as
+    smoke scale sets) a hub id that is not in the local Hugging Face cache raises
+    `ModelNotAvailable` with one sentence saying so.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(os.path.expanduser(name_or_path))
+    is_local = local.is_dir()
+    source = str(local) if is_local else name_or_path
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+    except (OSError, ValueError) as e:
+        if is_local:
+            raise ModelNotAvailable(f"{name_or_path!r} is a folder but holds no loadable model ({e}).") from e
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        why = "the hub is switched off (HF_HUB_OFFLINE=1)" if offline else "the hub could not be reached"
+        raise ModelNotAvailable(f"model {name_or_path!r} is not a local folder and is not in the local Hugging "
+                                f"Face cache, and {why}; download it on a connected machine "
+                                "(huggingface-cli download) and pass its folder path.") from e
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        tokenizer = None
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,183 @@
+"""A compact trainer for tiny causal LMs, with an on-disk cache of trained weights.
+
+`fit(build, task, cfg)` seeds, builds the model, and either loads its trained weights from the cache
+or trains it (AdamW, linear warm-up then cosine decay, gradient clipping, a progress bar) and stores
+them. The cache key hashes everything that determines the weights: the model's config, the task's
+spec (its dataclass fields), the training config (steps, seed, ...) and the library versions. An
+entry is `<LAB_CACHE>/models/<key>/{model.safetensors, meta.json}`; the meta holds the weights'
+sha256, so a truncated or corrupt entry is detected, logged, deleted and rebuilt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from lab.core import progress
+
+log = logging.getLogger(__name__)
+CACHE_VERSION = 1
+
+
+class Task(Protocol):
+    """A procedural task: a frozen dataclass (its fields are its spec) that samples batches."""
+
+    def batch(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """`input_ids` (n, T) and `labels` (n, T) with -100 where no loss is taken."""
+        ...
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 500
+    batch_size: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.05  # linear warm-up over this fraction of the steps
+    min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac
+    grad_clip: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class TrainResult:
+    model: torch.nn.Module
+    losses: list[float]  # per step (loaded from the cache when cached)
+    cached: bool
+    key: str
+    seconds: float  # wall time of the training run that produced the weights
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def cache_dir() -> Path:
+    """`$LAB_CACHE`, else `$XDG_CACHE_HOME/icml25-lab`, else `~/.cache/icml25-lab`."""
+    if os.environ.get("LAB_CACHE"):
+        return Path(os.environ["LAB_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "icml25-lab"
+
+
+def task_spec(task: Any) -> dict:
+    """The task's identity for the cache: its class and dataclass fields."""
+    if not dataclasses.is_dataclass(task):
+        raise TypeError("a task must be a dataclass so its spec can key the cache.")
+    return {"type": type(task).__qualname__, **dataclasses.asdict(task)}
+
+
+def cache_key(model: torch.nn.Module, task: Any, cfg: TrainConfig) -> str:
+    import transformers
+
+    spec = {"v": CACHE_VERSION, "arch": type(model).__name__, "model": model.config.to_dict(),
+            "task": task_spec(task), "train": dataclasses.asdict(cfg),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of the base lr at a step: linear warm-up, then cosine decay to `min_lr_frac`."""
+    warmup = max(1, round(cfg.warmup_frac * cfg.steps))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, cfg.steps - warmup)
+        return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+    return f
+
+
+def train(model: torch.nn.Module, task: Task, cfg: TrainConfig, *, quiet: bool | None = None) -> list[float]:
+    """Train `model` in place on batches from `task`; returns the loss of every step."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    model.train()
+    losses = []
+    bar = progress(range(cfg.steps), quiet=quiet, desc="train", leave=True)
+    for step in bar:
+        batch = {k: v.to(device) for k, v in task.batch(cfg.batch_size, gen).items()}
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step % 50 == 0 or step == cfg.steps - 1:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load_entry(model: torch.nn.Module, entry: Path) -> dict | None:
+    """Load a cache entry into `model`; None if absent; a corrupt entry is logged and deleted."""
+    from safetensors.torch import load_model
+
+    if not entry.exists():
+        return None
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        weights = entry / "model.safetensors"
+        if _sha256(weights) != meta["sha256"]:
+            raise ValueError("weights do not match their recorded sha256")
+        load_model(model, str(weights))
+        return meta
+    except Exception as e:  # any failure means the entry cannot be trusted
+        log.warning("cache entry %s is corrupt (%s); deleting it and training again", entry, e)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+
+
+def _store_entry(model: torch.nn.Module, entry: Path, meta: dict) -> None:
+    """Write weights + meta into a temp folder beside `entry`, then rename: never a half entry."""
+    from safetensors.torch import save_model
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        meta = {**meta, "sha256": _sha256(tmp / "model.safetensors")}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(entry, ignore_errors=True)
+        os.replace(tmp, entry)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fit(build: Callable[[], torch.nn.Module], task: Task, cfg: TrainConfig, *, device: str = "cpu",
+        cache: bool = True, quiet: bool | None = None) -> TrainResult:
+    """Build a model (seeded by `cfg.seed`) and train it on `task`, or load it from the cache."""
+    torch.manual_seed(cfg.seed)
+    model = build().to(device)
+    key = cache_key(model, task, cfg)
+    entry = cache_dir() / "models" / key
+    meta = _load_entry(model, entry) if cache else None
+    if meta is not None:
+        log.info("loaded trained weights from cache %s", entry)
+        model.eval()
+        return TrainResult(model, meta["losses"], True, key, meta["seconds"], meta)
+    t0 = time.perf_counter()
+    losses = train(model, task, cfg, quiet=quiet)
+    seconds = time.perf_counter() - t0
+    meta = {"key": key, "losses": losses, "seconds": seconds, "task": task_spec(task),
+            "train": dataclasses.asdict(cfg), "arch": type(model).__name__}
+    if cache:
+        _store_entry(model, entry, meta)
+        log.info("trained in %.1f s; cached at %s", seconds, entry)
+    return TrainResult(model, losses, False, key, seconds, meta)

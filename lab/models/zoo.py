@@ -1,0 +1,67 @@
+"""Tiny models built from `transformers` configs, offline, in milliseconds.
+
+Each builder takes keyword-only sizes and returns a randomly initialised `*ForCausalLM`; full scale
+loads real checkpoints of the same families with `lab.models.load_model`, so notebook code that
+works on the toy works on the checkpoint. Attention is `eager` so attention weights can be read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, PreTrainedModel)
+
+
+def tiny_llama(*, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+               d_ff: int | None = None, max_len: int = 128) -> LlamaForCausalLM:
+    """Llama-style dense decoder (RMSNorm, RoPE, SwiGLU MLP of width `d_ff`, default 4·d_model)."""
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_ff or 4 * d_model,
+                      num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_heads,
+                      max_position_embeddings=max_len, tie_word_embeddings=False,
+                      attn_implementation="eager")
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_mixtral(*, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+                 d_ff: int | None = None, n_experts: int = 4, top_k: int = 2,
+                 max_len: int = 128) -> MixtralForCausalLM:
+    """Mixtral-style sparse MoE decoder: `n_experts` SwiGLU experts of width `d_ff`, top-`top_k` routing.
+
+    transformers 5.x stores the experts fused: `mlp.experts.gate_up_proj` (E, 2·d_ff, d_model) and
+    `mlp.experts.down_proj` (E, d_model, d_ff); the router is `mlp.gate`.
+    """
+    cfg = MixtralConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_ff or 2 * d_model,
+                        num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_heads,
+                        num_local_experts=n_experts, num_experts_per_tok=top_k, max_position_embeddings=max_len,
+                        tie_word_embeddings=False, attn_implementation="eager")
+    return MixtralForCausalLM(cfg)
+
+
+def tiny_mamba2(*, vocab_size: int, d_model: int = 64, n_layers: int = 2, d_state: int = 16,
+                head_dim: int = 16, expand: int = 2, chunk_size: int = 16) -> Mamba2ForCausalLM:
+    """Mamba-2 SSM (selective state space, one group); expand·d_model = n_heads·head_dim.
+
+    On CPU transformers uses its reference PyTorch scan (no `mamba_ssm` kernels): correct, slower.
+    """
+    n_heads, rest = divmod(expand * d_model, head_dim)
+    if rest:
+        raise ValueError(f"head_dim={head_dim} must divide expand*d_model={expand * d_model}.")
+    cfg = Mamba2Config(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers, state_size=d_state,
+                       expand=expand, head_dim=head_dim, num_heads=n_heads, n_groups=1, chunk_size=chunk_size,
+                       tie_word_embeddings=False)
+    return Mamba2ForCausalLM(cfg)
+
+
+ZOO: dict[str, Callable[..., PreTrainedModel]] = {
+    "llama": tiny_llama,
+    "mixtral": tiny_mixtral,
+    "mamba2": tiny_mamba2,
+}
+
+
+def build(family: str, **sizes) -> PreTrainedModel:
+    """`build("llama", vocab_size=32)`: a tiny model of a zoo family by name."""
+    if family not in ZOO:
+        raise ValueError(f"family={family!r} is not in the zoo; use one of {', '.join(map(repr, ZOO))}.")
+    return ZOO[family](**sizes)

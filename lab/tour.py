@@ -1,0 +1,83 @@
+"""The tour: the lab's anatomy on one small, real experiment.
+
+A two-layer Llama-style transformer learns in-context key-value recall (`lab.data.KVRecall`): after
+reading `k3 v7 k1 v2 k9 v0 ? k1` it must answer `v2`. We measure (1) recall accuracy against chance
+1/n_values, and (2) *how* it recalls: induction-style retrieval predicts that at the query position
+some head attends to the answer's position in the context, i.e. for head h of layer l
+
+    a_{l,h} = E_examples[ A_{l,h}[T, pos(answer)] ]      (A: softmax attention, T: last position)
+
+is large for one head and ~1/T for the rest. Every paper module follows this shape: a frozen Config
+with sizes per scale, pure functions returning tensors, no display code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lab.data import KVRecall
+from lab.models import TrainConfig, tiny_llama
+from lab.models.score import choice_logprobs
+
+
+@dataclass(frozen=True)
+class Config:
+    n_pairs: int = 3  # key-value pairs per context
+    n_keys: int = 16
+    n_values: int = 16  # chance accuracy = 1 / n_values
+    n_queries: int = 6  # queries per training sequence (denser signal, faster induction)
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    steps: int = 400
+    batch_size: int = 64
+    lr: float = 3e-3
+    n_eval: int = 500
+
+    @classmethod
+    def for_scale(cls, scale: str) -> Config:
+        """Smoke: ~15 s of training on one CPU thread. Full: longer contexts, a wider model."""
+        if scale == "smoke":
+            return cls()
+        return cls(n_pairs=8, n_keys=64, n_values=64, d_model=256, n_layers=4, n_heads=8, steps=3000,
+                   batch_size=128, n_eval=2000)
+
+    def task(self) -> KVRecall:
+        return KVRecall(self.n_pairs, self.n_keys, self.n_values, self.n_queries)
+
+    def train_config(self, seed: int) -> TrainConfig:
+        return TrainConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr, seed=seed)
+
+    def build(self):
+        """A fresh, untrained model for this config (the trainer seeds before calling it)."""
+        task = self.task()
+        return tiny_llama(vocab_size=len(task.tokenizer), d_model=self.d_model, n_layers=self.n_layers,
+                          n_heads=self.n_heads, max_len=2 * task.seq_len)
+
+
+def recall(model, tokenizer, examples: list[dict], choices: list[str]) -> tuple[float, torch.Tensor]:
+    """Accuracy of argmax over `choices`, and the (N, C) choice log-probs it was taken from."""
+    logp = choice_logprobs(model, tokenizer, [e["prompt"] for e in examples], choices)  # (N, C)
+    target = torch.tensor([choices.index(e["answer"]) for e in examples])  # (N,)
+    return (logp.argmax(-1) == target).float().mean().item(), logp
+
+
+@torch.no_grad()
+def answer_attention(model, tokenizer, examples: list[dict]) -> torch.Tensor:
+    """a_{l,h}: mean attention weight from the last prompt token onto the answer's token(s): (L, H).
+
+    Token positions come from the tokenizer's character offsets, so this works for any fast
+    tokenizer (the answer may span several tokens; their weights are summed). Needs eager attention.
+    """
+    device = next(model.parameters()).device
+    total = None
+    for e in examples:
+        enc = tokenizer(e["prompt"], add_special_tokens=False, return_offsets_mapping=True)
+        s, t = e["answer_span"]
+        pos = [i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < t and b > s]
+        att = model(input_ids=torch.tensor([enc["input_ids"]], device=device), output_attentions=True).attentions
+        a = torch.stack([layer[0, :, -1, pos].sum(-1) for layer in att]).float().cpu()  # (L, H)
+        total = a if total is None else total + a
+    return total / len(examples)

@@ -1,0 +1,31 @@
+"""Plotly figures shared by notebooks and explorers. Each returns a `go.Figure`; nothing is shown."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+
+
+def curve(y: Sequence[float], *, title: str, xlabel: str = "step", ylabel: str = "", log_y: bool = False,
+          smooth: int = 1) -> go.Figure:
+    """A line plot (optionally a running mean over `smooth` points)."""
+    y = list(y)
+    if smooth > 1:
+        y = [sum(y[max(0, i - smooth + 1):i + 1]) / len(y[max(0, i - smooth + 1):i + 1]) for i in range(len(y))]
+    fig = go.Figure(go.Scatter(y=y, mode="lines"))
+    fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel, height=320, margin=dict(t=50, b=40))
+    if log_y:
+        fig.update_yaxes(type="log")
+    return fig
+
+
+def heatmap(z, *, x: Sequence[str], y: Sequence[str], title: str, zmin: float | None = 0.0,
+            zmax: float | None = None, fmt: str = ".2f") -> go.Figure:
+    """An annotated heat map of a small matrix `z` (rows `y`, columns `x`)."""
+    z = z.tolist() if hasattr(z, "tolist") else z
+    fig = go.Figure(go.Heatmap(z=z, x=list(x), y=list(y), zmin=zmin, zmax=zmax, colorscale="Blues",
+                               texttemplate=f"%{{z:{fmt}}}", hovertemplate="%{y}, %{x}: %{z:.3f}<extra></extra>"))
+    fig.update_layout(title=title, height=120 + 40 * len(y), margin=dict(t=50, b=40))
+    fig.update_yaxes(autorange="reversed")
+    return fig

@@ -1,0 +1,67 @@
+"""Shared test set-up: offline, one torch thread, a fresh model cache, and the notebook runs that
+several tests read (each notebook is executed once per session through the real runner)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+# Before anything imports torch, transformers or kernels:
+os.environ["HF_HUB_OFFLINE"] = "1"  # no network in any test
+os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU through the interpreter
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A fresh cache per session (inherited by runner subprocesses and kernels), so a test run measures
+# training from scratch; set LAB_TEST_CACHE to reuse one while iterating.
+os.environ["LAB_CACHE"] = os.environ.get("LAB_TEST_CACHE") or tempfile.mkdtemp(prefix="lab-test-cache-")
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def run_lab(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m lab ...` in a subprocess, exactly as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "lab", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+class NotebookRuns:
+    """Each notebook executed once per session with default (smoke) parameters; results shared."""
+
+    def __init__(self, out: Path):
+        self.out, self.done = out, {}
+
+    def __call__(self, stem: str) -> dict:
+        if stem not in self.done:
+            t0 = time.perf_counter()
+            proc = run_lab("run", stem, "--out", str(self.out))
+            wall = time.perf_counter() - t0
+            rec_path = self.out / f"{stem}.json"
+            rec = json.loads(rec_path.read_text()) if rec_path.exists() else None
+            self.done[stem] = {"proc": proc, "wall": wall, "record": rec, "out": self.out}
+        return self.done[stem]
+
+
+@pytest.fixture(scope="session")
+def notebook_runs(tmp_path_factory) -> NotebookRuns:
+    return NotebookRuns(tmp_path_factory.mktemp("reports"))
+
+
+@pytest.fixture(scope="session")
+def tour_report(notebook_runs) -> Path:
+    """The tour's offline HTML page (with `_static/` beside it), from the session's tour run."""
+    run = notebook_runs("00_tour")
+    assert run["proc"].returncode == 0, run["proc"].stdout + run["proc"].stderr
+    return run["out"] / "00_tour.html"

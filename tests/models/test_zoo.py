@@ -1,0 +1,50 @@
+import pytest
+import torch
+
+from lab.models import ZOO, build, tiny_llama, tiny_mamba2, tiny_mixtral
+
+
+@pytest.mark.parametrize("family", list(ZOO))
+def test_each_family_runs_forward_and_backward(family):
+    torch.manual_seed(0)
+    m = build(family, vocab_size=20, d_model=32, n_layers=1)
+    x = torch.randint(0, 20, (2, 8))
+    out = m(input_ids=x, labels=x)
+    assert out.logits.shape == (2, 8, 20)
+    out.loss.backward()
+    assert all(p.grad is not None for p in m.parameters() if p.requires_grad)
+
+
+def test_sizes_are_keyword_only_and_honoured():
+    with pytest.raises(TypeError):
+        tiny_llama(20)  # noqa
+    m = tiny_llama(vocab_size=20, d_model=48, n_layers=3, n_heads=6, d_ff=100)
+    c = m.config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.intermediate_size) == (48, 3, 6, 100)
+    assert c._attn_implementation == "eager"
+
+
+def test_mixtral_experts_are_fused():
+    m = tiny_mixtral(vocab_size=20, d_model=32, n_layers=1, n_experts=4, d_ff=16)
+    experts = m.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (4, 32, 32) or experts.gate_up_proj.shape[0] == 4
+    assert experts.down_proj.shape[0] == 4
+
+
+def test_mamba2_head_dim_must_divide():
+    assert tiny_mamba2(vocab_size=20, d_model=32, head_dim=16).config.num_heads == 4
+    with pytest.raises(ValueError, match="must divide"):
+        tiny_mamba2(vocab_size=20, d_model=32, head_dim=24)
+
+
+def test_unknown_family():
+    with pytest.raises(ValueError, match="not in the zoo"):
+        build("gpt5", vocab_size=10)
+
+
+def test_eager_attention_is_exposed():
+    m = tiny_llama(vocab_size=20, d_model=32, n_layers=2, n_heads=4)
+    att = m(input_ids=torch.randint(0, 20, (1, 6)), output_attentions=True).attentions
+    assert len(att) == 2 and att[0].shape == (1, 4, 6, 6)
+    torch.testing.assert_close(att[0].sum(-1), torch.ones(1, 4, 6))
+    assert torch.all(att[0].triu(1) == 0)  # causal

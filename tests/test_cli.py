@@ -1,0 +1,93 @@
+"""The runner on small synthetic notebooks (no torch in the kernel): statuses, files, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from lab.cli import parse_value, resolve
+
+from .conftest import ROOT
+
+PARAMS = 'scale = "smoke"\ndevice = "auto"\nseed = 0\nmodel = "tiny"'
+
+
+def write_nb(folder, stem, body, title="Synthetic"):
+    v4 = nbformat.v4
+    nb = v4.new_notebook(cells=[v4.new_markdown_cell(f"# {title}"),
+                                v4.new_code_cell(PARAMS, metadata={"tags": ["parameters"]}),
+                                v4.new_code_cell(body)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, folder / f"{stem}.ipynb")
+
+
+def lab(*args, nbdir):
+    return subprocess.run([sys.executable, "-m", "lab", "--notebooks", str(nbdir), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def nbdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nbs")
+    write_nb(d, "01_good", 'from lab.core import check, record\nrecord("m", {"a": 1})\n'
+                           'check("holds", 0.9 + seed, ">=", 0.5)')
+    write_nb(d, "02_claim", 'from lab.core import check\ncheck("breaks", 0.1, ">=", 0.5)\nprint("unreachable")')
+    write_nb(d, "03_crash", 'raise RuntimeError("boom")')
+    return d
+
+
+@pytest.mark.timeout(300)
+def test_run_all_writes_records_pages_and_index(nbdir, tmp_path):
+    proc = lab("run", "all", "-p", "seed", "2", "--out", str(tmp_path), nbdir=nbdir)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # one failed claim, one crash
+    recs = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    good, claim, crash = recs["01_good"], recs["02_claim"], recs["03_crash"]
+    assert good["status"] == "passed" and good["params"]["seed"] == 2 and good["title"] == "Synthetic"
+    assert good["claims"] == [{"name": "holds", "value": 2.9, "op": ">=", "threshold": 0.5, "passed": True}]
+    assert good["metrics"] == {"m": {"a": 1}} and good["seconds"] > 0
+    assert claim["status"] == "failed" and claim["claims"][0]["passed"] is False
+    assert "measured 0.1, required >= 0.5" in claim["error"]
+    assert crash["status"] == "error" and "boom" in crash["error"] and crash["claims"] == []
+    for stem in recs:  # a failed notebook keeps its executed copy, marked by papermill
+        assert (tmp_path / f"{stem}.ipynb").exists() and (tmp_path / f"{stem}.html").exists()
+    assert nbformat.read(tmp_path / "02_claim.ipynb", as_version=4).metadata.papermill.exception
+    index = (tmp_path / "index.html").read_text()
+    assert all(s in index for s in ("01_good", "02_claim", "03_crash", "passed", "failed", "error"))
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_rerun_replaces_a_stale_success(nbdir, tmp_path):
+    assert lab("run", "good", "--out", str(tmp_path), nbdir=nbdir).returncode == 0
+    assert json.loads((tmp_path / "01_good.json").read_text())["status"] == "passed"
+    write_nb(nbdir, "01_good", 'raise ValueError("now broken")')
+    try:
+        assert lab("run", "01_good", "--out", str(tmp_path), nbdir=nbdir).returncode == 1
+        assert json.loads((tmp_path / "01_good.json").read_text())["status"] == "error"
+    finally:
+        write_nb(nbdir, "01_good", 'from lab.core import check\ncheck("holds", 1.0, ">=", 0.5)')
+    listing = lab("list", "--out", str(tmp_path), nbdir=nbdir).stdout
+    assert "01_good" in listing and "error" in listing and "never run" in listing
+    rep = lab("report", "--out", str(tmp_path), nbdir=nbdir)
+    assert rep.returncode == 0 and (tmp_path / "index.html").exists()
+
+
+def test_bad_names_and_parameters_write_nothing(nbdir, tmp_path):
+    out = tmp_path / "r"
+    for args, words in [(("run", "nope"), "no notebook named 'nope'"),
+                        (("run", "all", "-p", "scale", "big"), "scale='big'"),
+                        (("run", "all", "-p", "colour", "red"), "no parameter 'colour'")]:
+        proc = lab(*args, "--out", str(out), nbdir=nbdir)
+        assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_resolve_and_parse(nbdir):
+    assert [p.stem for p in resolve(["claim", "01_good"], nbdir)] == ["02_claim", "01_good"]
+    assert len(resolve(["all"], nbdir)) == 3
+    assert [parse_value(v) for v in ("3", "0.5", "True", "none", "smoke", "org/model")] == \
+        [3, 0.5, True, None, "smoke", "org/model"]

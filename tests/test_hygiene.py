@@ -1,0 +1,48 @@
+"""Notebooks are stored clean and follow the contract anatomy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from .conftest import NOTEBOOKS, ROOT
+
+CONTRACT = ("scale", "device", "seed", "model")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_clean_and_follows_the_contract(path: Path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "stored with outputs"
+    assert "widgets" not in nb.metadata and "papermill" not in nb.metadata
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+    first = code[0]
+    assert "parameters" in first.metadata.get("tags", []), "the first code cell must be tagged 'parameters'"
+    import papermill as pm
+
+    params = pm.inspect_notebook(str(path))
+    assert list(params)[:4] == list(CONTRACT)
+    assert [params[k]["default"] for k in CONTRACT] == ['"smoke"', '"auto"', "0", '"tiny"'] or \
+        params["model"]["default"] != '"tiny"'
+    assert "lab.core.setup(scale, device, seed, model)" in code[1].source, "the setup cell comes second"
+    assert path.stem[:2].isdigit() and nb.metadata.get("lab", {}).get("paper")
+
+
+def test_nbstripout_agrees():
+    exe = Path(sys.executable).with_name("nbstripout")
+    proc = subprocess.run([str(exe), "--verify", *map(str, NOTEBOOKS)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_no_notebook_logic_hidden_in_reports_folder():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    assert not [f for f in tracked if f.startswith("reports/") or f.startswith("node_modules/")]

@@ -1,0 +1,63 @@
+"""Every notebook through the runner at smoke scale: it must pass every claim within 90 s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lab.core import read_records
+
+from .conftest import NOTEBOOKS, run_lab
+
+BUDGET_S = 90  # DESIGN.md: one notebook at smoke scale on 2 CPU cores
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stem", [p.stem for p in NOTEBOOKS])
+def test_notebook_passes_its_claims(stem, notebook_runs, record_property):
+    run = notebook_runs(stem)
+    proc, rec = run["proc"], run["record"]
+    assert proc.returncode == 0, f"{stem} failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    record_property("seconds", rec["seconds"])
+    print(f"{stem}: {rec['seconds']:.1f} s in the kernel, {run['wall']:.1f} s wall")
+    assert rec["status"] == "passed"
+    assert rec["claims"], f"{stem} checks no claim"
+    assert all(c["passed"] for c in rec["claims"])
+    # the executed notebook carries the same claims, readable without the JSON
+    recorded = read_records(run["out"] / f"{stem}.ipynb")
+    for c in rec["claims"]:
+        assert recorded[c["name"]]["value"] == c["value"]
+    assert rec["seconds"] < BUDGET_S, f"{stem} took {rec['seconds']:.0f} s > {BUDGET_S} s at smoke scale"
+    assert (run["out"] / f"{stem}.html").exists() and (run["out"] / "index.html").exists()
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(300)
+def test_tour_is_deterministic_and_cached(notebook_runs, tmp_path):
+    """Same seed -> identical claim values; the second run loads the trained model from the cache."""
+    first = notebook_runs("00_tour")
+    proc = run_lab("run", "00_tour", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    second = json.loads((tmp_path / "00_tour.json").read_text())
+    assert second["claims"] == first["record"]["claims"]
+    assert second["metrics"] == first["record"]["metrics"]
+    print(f"tour: cold {first['record']['seconds']:.1f} s, warm {second['seconds']:.1f} s")
+    assert second["seconds"] < first["record"]["seconds"]
+
+
+@pytest.mark.parametrize("param", [("scale", "huge"), ("device", "cuda"), ("model", "/no/such/folder"),
+                                   ("seed", "-3"), ("nonsense", "1")])
+def test_bad_parameter_is_one_sentence_and_writes_nothing(param, tmp_path):
+    import torch
+
+    if param == ("device", "cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "reports"
+    proc = run_lab("run", "00_tour", "-p", *param, "--out", str(out), timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert param[1] in lines[0] or param[0] in lines[0]
+    assert not out.exists()

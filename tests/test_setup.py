@@ -1,0 +1,62 @@
+"""environment.yml, pyproject.toml, the Makefile and package.json must tell the same story."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+
+import yaml
+from packaging.requirements import Requirement
+
+from .conftest import ROOT
+
+
+def load():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    py = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return env, py
+
+
+def test_environment_yml_delegates_to_pyproject():
+    env, py = load()
+    deps = env["dependencies"]
+    assert "python=3.11" in deps and "pip" in deps
+    pip = next(d["pip"] for d in deps if isinstance(d, dict))
+    torch_pin = next(r for r in pip if r.startswith("torch"))
+    assert torch_pin == "torch==2.13.0"  # the CPU wheel on this platform; never a CUDA download
+    editable = next(r for r in pip if r.startswith("-e"))
+    extras = re.search(r"\[(.*)\]", editable).group(1).split(",")
+    assert set(extras) <= set(py["project"]["optional-dependencies"]), "env asks for an extra pyproject lacks"
+    # torch in pyproject is a range the pin satisfies, so installing the package adds no other torch
+    torch_req = next(Requirement(r) for r in py["project"]["dependencies"] if r.startswith("torch"))
+    assert torch_req.specifier.contains("2.13.0")
+    assert re.search(r"python3?\.?1?1?", py["project"]["requires-python"])
+
+
+def test_dependencies_the_platform_needs():
+    _, py = load()
+    names = {Requirement(r).name for r in py["project"]["dependencies"]}
+    assert {"jupyterlab", "ipywidgets", "torch", "transformers", "peft", "matplotlib", "plotly", "papermill"} <= names
+    dev = {Requirement(r).name for r in py["project"]["optional-dependencies"]["dev"]}
+    assert {"pytest", "pytest-timeout", "triton", "playwright", "nbstripout"} <= dev
+    assert set(py["tool"]["setuptools"]["packages"]["find"]["include"]) >= {"lab*", "kernels*"}
+
+
+def test_makefile_and_npm_pins_agree():
+    env, _ = load()
+    make = (ROOT / "Makefile").read_text()
+    assert "TORCH := torch==2.13.0" in make
+    pkg = json.loads((ROOT / "package.json").read_text())["dependencies"]
+    assert all(re.fullmatch(r"\d+\.\d+\.\d+", v) for v in pkg.values()), "npm versions must be pinned exactly"
+    lock = json.loads((ROOT / "package-lock.json").read_text())
+    for name, version in pkg.items():
+        assert lock["packages"][f"node_modules/{name}"]["version"] == version
+
+
+def test_readme_commands_exist_in_makefile_and_ci():
+    readme = (ROOT / "README.md").read_text()
+    make = (ROOT / "Makefile").read_text()
+    assert "make run" in readme and "make test" in readme
+    assert re.search(r"^run:", make, re.M) and re.search(r"^test:", make, re.M)
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
