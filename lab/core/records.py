@@ -38,8 +38,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+def fmt(value: Any) -> str:
+    """Short text for a recorded value: floats to 4 significant digits, lists element-wise."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(fmt(v) for v in value) + "]"
+    return str(value)
 
 
 def _emit(rec: dict, text: str, html_text: str) -> None:
@@ -59,7 +64,7 @@ def _emit(rec: dict, text: str, html_text: str) -> None:
 def record(name: str, value: Any) -> Any:
     """Record a metric (a number, list or dict) under `name`; returns the value."""
     rec = {"kind": "metric", "name": name, "value": _plain(value)}
-    text = f"{name} = {_fmt(rec['value'])}"
+    text = f"{name} = {fmt(rec['value'])}"
     _emit(rec, text, f"<code class='lab-metric'>{html.escape(text)}</code>")
     return value
 
@@ -76,12 +81,12 @@ def check(name: str, value: Any, op: str, threshold: float) -> dict:
     passed = bool(math.isfinite(value) and OPS[op](value, threshold))
     rec = {"kind": "claim", "name": name, "value": value, "op": op, "threshold": threshold, "passed": passed}
     mark = "PASS" if passed else "FAIL"
-    text = f"[{mark}] {name}: {_fmt(value)} {op} {threshold}"
+    text = f"[{mark}] {name}: {fmt(value)} {op} {threshold}"
     color = "#1a7f37" if passed else "#cf222e"
     _emit(rec, text, f"<div class='lab-claim' style='color:{color}'><b>{mark}</b> {html.escape(name)}: "
-                     f"measured <b>{_fmt(value)}</b>, required {html.escape(op)} {threshold}</div>")
+                     f"measured <b>{fmt(value)}</b>, required {html.escape(op)} {threshold}</div>")
     if not passed:
-        raise ClaimFailed(f"claim '{name}' failed: measured {_fmt(value)}, required {op} {threshold}")
+        raise ClaimFailed(f"claim '{name}' failed: measured {fmt(value)}, required {op} {threshold}")
     return rec
 
 

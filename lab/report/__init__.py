@@ -29,6 +29,8 @@ from nbconvert import HTMLExporter
 from nbconvert.preprocessors import Preprocessor
 from traitlets.config import Config
 
+from lab.core.records import fmt
+
 log = logging.getLogger(__name__)
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -150,17 +152,6 @@ code { font-size: 90%; }
 """
 
 
-def _fmt(value) -> str:
-    """Short, readable text for a recorded value (floats to 4 significant digits)."""
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
-    return str(value)
-
-
 def _is_record(data) -> bool:
     """True for a run record written by the runner (see DESIGN.md, Runner)."""
     return (isinstance(data, dict) and isinstance(data.get("notebook"), str)
@@ -187,13 +178,13 @@ def _row(out_dir: Path, rec: dict) -> str:
     if (out_dir / f"{name}.html").exists():
         cell = f'<a href="{quote(name)}.html">{cell}</a>'
     paper = " — ".join(e(str(rec[k])) for k in ("paper", "title") if rec.get(k))
-    params = ", ".join(f"{e(str(k))}={e(_fmt(v))}" for k, v in (rec.get("params") or {}).items())
+    params = ", ".join(f"{e(str(k))}={e(fmt(v))}" for k, v in (rec.get("params") or {}).items())
     status = e(rec["status"])
     if rec.get("error"):
         status += f'<br><small>{e(str(rec["error"]))}</small>'
     claims = "".join(
         f'<li class="{"ok" if c.get("passed") else "bad"}">{e(str(c.get("name")))}: '
-        f'{e(_fmt(c.get("value")))} {e(str(c.get("op", "")))} {e(_fmt(c.get("threshold")))} '
+        f'{e(fmt(c.get("value")))} {e(str(c.get("op", "")))} {e(fmt(c.get("threshold")))} '
         f'{"✓" if c.get("passed") else "✗"}</li>'
         for c in rec.get("claims", []) if isinstance(c, dict))
     seconds = rec.get("seconds")

@@ -75,7 +75,7 @@ def next_token_explorer(prompts: Sequence[str], answers: Sequence[str], logp: to
 
 
 def next_token_figure(logp: torch.Tensor, choices: Sequence[str], answer: str, *,
-                      temperatures: Sequence[float] = (0.25, 0.5, 1.0, 2.0, 4.0), title: str = "") -> go.Figure:
+                      temperatures: Sequence[float] = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0), title: str = "") -> go.Figure:
     """Precomputed view for one prompt: bars of p_T(choice) with a plotly slider over T."""
     fig = go.Figure()
     colors = ["#1a7f37" if c == answer else "#4c78a8" for c in choices]
