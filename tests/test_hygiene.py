@@ -46,3 +46,9 @@ def test_no_notebook_logic_hidden_in_reports_folder():
     if not tracked:
         pytest.skip("not a git checkout")
     assert not [f for f in tracked if f.startswith("reports/") or f.startswith("node_modules/")]
+
+
+def test_ruff_is_clean():
+    exe = Path(sys.executable).with_name("ruff")
+    proc = subprocess.run([str(exe), "check", "lab", "kernels", "tests"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]

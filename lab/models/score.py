@@ -18,7 +18,7 @@ def choice_logprobs(model, tokenizer, prompts: Sequence[str], choices: Sequence[
     prompt+choice sequence is scored. Sequences are batched by length, so no padding is needed.
     """
     device = next(model.parameters()).device
-    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     p_ids = [enc(p) for p in prompts]
     c_ids = [enc(f"{prompts[0]} {c}")[len(p_ids[0]):] for c in choices]
     out = torch.empty(len(prompts), len(choices))

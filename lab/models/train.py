@@ -76,11 +76,12 @@ def task_spec(task: Any) -> dict:
     return {"type": type(task).__qualname__, **dataclasses.asdict(task)}
 
 
-def cache_key(model: torch.nn.Module, task: Any, cfg: TrainConfig) -> str:
+def cache_key(model: torch.nn.Module, task: Any, cfg: TrainConfig, penalty: Any = None) -> str:
     import transformers
 
     spec = {"v": CACHE_VERSION, "arch": type(model).__name__, "model": model.config.to_dict(),
             "task": task_spec(task), "train": dataclasses.asdict(cfg),
+            "penalty": None if penalty is None else task_spec(penalty),
             "torch": torch.__version__, "transformers": transformers.__version__}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -97,8 +98,12 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     return f
 
 
-def train(model: torch.nn.Module, task: Task, cfg: TrainConfig, *, quiet: bool | None = None) -> list[float]:
-    """Train `model` in place on batches from `task`; returns the loss of every step."""
+def train(model: torch.nn.Module, task: Task, cfg: TrainConfig, *, penalty: Callable | None = None,
+          quiet: bool | None = None) -> list[float]:
+    """Train `model` in place on batches from `task`; returns the loss of every step.
+
+    `penalty(model) -> scalar` is added to the loss (e.g. a sparsity prior); the recorded losses
+    are the task loss alone."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -109,7 +114,7 @@ def train(model: torch.nn.Module, task: Task, cfg: TrainConfig, *, quiet: bool |
     for step in bar:
         batch = {k: v.to(device) for k, v in task.batch(cfg.batch_size, gen).items()}
         loss = model(**batch).loss
-        loss.backward()
+        (loss + penalty(model) if penalty is not None else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         sched.step()
@@ -161,11 +166,13 @@ def _store_entry(model: torch.nn.Module, entry: Path, meta: dict) -> None:
 
 
 def fit(build: Callable[[], torch.nn.Module], task: Task, cfg: TrainConfig, *, device: str = "cpu",
-        cache: bool = True, quiet: bool | None = None) -> TrainResult:
-    """Build a model (seeded by `cfg.seed`) and train it on `task`, or load it from the cache."""
+        penalty: Callable | None = None, cache: bool = True, quiet: bool | None = None) -> TrainResult:
+    """Build a model (seeded by `cfg.seed`) and train it on `task`, or load it from the cache.
+
+    A `penalty` must be a dataclass (its fields join the cache key), called as `penalty(model)`."""
     torch.manual_seed(cfg.seed)
     model = build().to(device)
-    key = cache_key(model, task, cfg)
+    key = cache_key(model, task, cfg, penalty)
     entry = cache_dir() / "models" / key
     meta = _load_entry(model, entry) if cache else None
     if meta is not None:
@@ -173,7 +180,7 @@ def fit(build: Callable[[], torch.nn.Module], task: Task, cfg: TrainConfig, *, d
         model.eval()
         return TrainResult(model, meta["losses"], True, key, meta["seconds"], meta)
     t0 = time.perf_counter()
-    losses = train(model, task, cfg, quiet=quiet)
+    losses = train(model, task, cfg, penalty=penalty, quiet=quiet)
     seconds = time.perf_counter() - t0
     meta = {"key": key, "losses": losses, "seconds": seconds, "task": task_spec(task),
             "train": dataclasses.asdict(cfg), "arch": type(model).__name__}

@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, PreTrainedModel)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedModel,
+)
 
 
 def tiny_llama(*, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,

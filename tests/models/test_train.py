@@ -82,3 +82,22 @@ def test_fit_needs_a_dataclass_task():
 
     with pytest.raises(TypeError, match="dataclass"):
         fit(build, NotADataclass(), CFG, quiet=True)
+
+
+def test_penalty_joins_the_loss_and_the_cache_key(tmp_path, monkeypatch):
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Shrink:
+        lam: float
+
+        def __call__(self, model):
+            return self.lam * sum(p.pow(2).sum() for p in model.parameters())
+
+    monkeypatch.setenv("LAB_CACHE", str(tmp_path))
+    plain = fit(build, TASK, CFG, quiet=True)
+    shrunk = fit(build, TASK, CFG, penalty=Shrink(1.0), quiet=True)
+    assert plain.key != shrunk.key != fit(build, TASK, CFG, penalty=Shrink(2.0), quiet=True).key
+    norm = lambda m: sum(p.pow(2).sum() for p in m.parameters()).item()
+    assert norm(shrunk.model) < 0.5 * norm(plain.model)
+    assert fit(build, TASK, CFG, penalty=Shrink(1.0), quiet=True).cached

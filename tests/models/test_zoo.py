@@ -17,7 +17,7 @@ def test_each_family_runs_forward_and_backward(family):
 
 def test_sizes_are_keyword_only_and_honoured():
     with pytest.raises(TypeError):
-        tiny_llama(20)  # noqa
+        tiny_llama(20)
     m = tiny_llama(vocab_size=20, d_model=48, n_layers=3, n_heads=6, d_ff=100)
     c = m.config
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.intermediate_size) == (48, 3, 6, 100)

@@ -1,0 +1,142 @@
+"""Mini-MMLU letter retrieval with a knowledge (cloze) control, after Bick et al. (ICML 2025, §3).
+
+A fixed random *knowledge map* f: question -> content is learned into the weights. A letter prompt
+lists options, each a letter, a content word and a delimiter, then asks a question; the answer is
+the *letter* of the option whose content is f(question):
+
+    <bos> _ A c3 w1 ⏎ B c17 ⏎ C c9 w6 w2 ⏎ D c21 ⏎ q5    ->  C        (if f(q5) = c9)
+
+Options have random lengths (0..max_filler filler words `w*` after the content; `_` pads the front
+so all prompts have one length): with fixed-length options a model can read the letter off the
+position of the matching content and skip retrieval altogether.
+
+Answering needs knowledge (f) *and* retrieval (find the option, copy its letter): in the paper's
+terms a Gather head summarises each option into its delimiter and an Aggregate head at the last
+position picks the matching delimiter. The cloze control asks for the knowledge alone:
+
+    <bos> q5 ?   ->  c9
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from lab.models.tokenizer import word_tokenizer
+
+DELIM, ASK, PAD, IGNORE = "⏎", "?", "_", -100
+
+
+@dataclass(frozen=True)
+class LetterRetrieval:
+    """A seeded generator of letter (and cloze) prompts; its fields are its spec."""
+
+    n_options: int = 4
+    n_contents: int = 32
+    n_questions: int = 8
+    max_filler: int = 2  # filler words after an option's content: 0..max_filler, at random
+    n_fillers: int = 8
+    cloze_frac: float = 0.2  # fraction of training batches that are cloze prompts
+    map_seed: int = 0  # seed of the knowledge map f (part of the task, not of the run)
+
+    def __post_init__(self):
+        if not 2 <= self.n_options <= 26 or self.n_contents < self.n_options:
+            raise ValueError("need 2..26 options and at least as many contents as options.")
+
+    @property
+    def letters(self) -> list[str]:
+        return [chr(ord("A") + i) for i in range(self.n_options)]
+
+    @property
+    def contents(self) -> list[str]:
+        return [f"c{i}" for i in range(self.n_contents)]
+
+    @property
+    def questions(self) -> list[str]:
+        return [f"q{i}" for i in range(self.n_questions)]
+
+    @property
+    def fillers(self) -> list[str]:
+        return [f"w{i}" for i in range(self.n_fillers)]
+
+    @property
+    def words(self) -> list[str]:
+        return self.letters + self.contents + self.questions + self.fillers + [DELIM, ASK, PAD]
+
+    @cached_property
+    def tokenizer(self):
+        return word_tokenizer(self.words)
+
+    @cached_property
+    def knowledge(self) -> torch.Tensor:
+        """f as a tensor: `knowledge[q]` is the index of q's content."""
+        g = torch.Generator().manual_seed(self.map_seed)
+        return torch.randint(self.n_contents, (self.n_questions,), generator=g)
+
+    def ids(self, words: list[str]) -> list[int]:
+        return self.tokenizer.convert_tokens_to_ids(words)
+
+    def letter_rows(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids (n, T) of letter prompts, the correct option (n,) and the token index of its
+        delimiter (n,); T = 2 + O·(3 + max_filler)."""
+        O, C = self.n_options, self.n_contents
+        q = torch.randint(self.n_questions, (n,), generator=generator)  # (n,)
+        answer = torch.randint(O, (n,), generator=generator)  # (n,)
+        # distractor contents: distinct, never f(q) (sample among C-1 and skip over f(q))
+        other = torch.rand(n, C - 1, generator=generator).argsort(-1)[:, :O]  # (n, O)
+        fq = self.knowledge[q]
+        content = other + (other >= fq[:, None]).long()  # (n, O)
+        content[torch.arange(n), answer] = fq
+        n_fill = torch.randint(self.max_filler + 1, (n, O), generator=generator)  # (n, O)
+        fill = torch.randint(self.n_fillers, (n, O, self.max_filler), generator=generator)
+        rows, delim_pos = [], []
+        for r in range(n):
+            words = ["<bos>"] + [PAD] * int(O * self.max_filler - n_fill[r].sum())
+            for o in range(O):
+                words += [self.letters[o], self.contents[content[r, o]]]
+                words += [self.fillers[f] for f in fill[r, o, : n_fill[r, o]]] + [DELIM]
+                if o == answer[r]:
+                    delim_pos.append(len(words) - 1)
+            rows.append(self.ids(words + [self.questions[q[r]]]))
+        return torch.tensor(rows), answer, torch.tensor(delim_pos)
+
+    def cloze_rows(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids (n, 3) of cloze prompts `<bos> q ?` and the content index f(q) (n,)."""
+        q = torch.randint(self.n_questions, (n,), generator=generator)
+        q_ids = torch.tensor(self.ids(self.questions))[q]
+        ends = torch.tensor(self.ids(["<bos>", ASK]))
+        return torch.stack([ends[0].expand(n), q_ids, ends[1].expand(n)], 1), self.knowledge[q]
+
+    def batch(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """One training batch: letter prompts, or (with probability `cloze_frac`) cloze prompts;
+        the loss is on the answer token only."""
+        if torch.rand((), generator=generator) < self.cloze_frac:
+            prompt, target = self.cloze_rows(n, generator)
+            target = torch.tensor(self.ids(self.contents))[target]
+        else:
+            prompt, answer, _ = self.letter_rows(n, generator)
+            target = torch.tensor(self.ids(self.letters))[answer]
+        ids = torch.cat([prompt, target[:, None]], 1)
+        labels = torch.full_like(ids, IGNORE)
+        labels[:, -1] = target
+        return {"input_ids": ids, "labels": labels}
+
+    def choices(self, kind: str = "letter") -> list[str]:
+        """The answer set scored for a prompt kind: the letters, or every content (cloze)."""
+        return self.letters if kind == "letter" else self.contents
+
+    def examples(self, n: int, generator: torch.Generator, kind: str = "letter") -> list[dict]:
+        """`n` prompts as text with their answer; letter prompts also carry `delim_pos`, the token
+        index of the correct option's delimiter (where an Aggregate head should look)."""
+        tok = self.tokenizer
+        if kind == "letter":
+            ids, answer, delim = self.letter_rows(n, generator)
+            return [{"prompt": tok.decode(row), "answer": self.letters[a], "delim_pos": d}
+                    for row, a, d in zip(ids.tolist(), answer.tolist(), delim.tolist())]
+        if kind == "cloze":
+            ids, target = self.cloze_rows(n, generator)
+            return [{"prompt": tok.decode(row), "answer": self.contents[t]}
+                    for row, t in zip(ids.tolist(), target.tolist())]
+        raise ValueError(f"kind={kind!r} is not 'letter' or 'cloze'.")

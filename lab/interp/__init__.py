@@ -1,0 +1,1 @@
+"""Interpretability tools: attention-like views of non-attention layers."""

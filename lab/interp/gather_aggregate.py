@@ -1,0 +1,224 @@
+"""Gather & Aggregate heads — Bick, Xing & Gu, "Understanding the Skill Gap in Recurrent Language
+Models: The Role of the Gather-and-Aggregate Mechanism", ICML 2025 (arXiv 2504.18574; code:
+goombalab/Gather-and-Aggregate).
+
+In-context retrieval in both Transformers and SSMs runs through two kinds of heads (§3):
+a **Gather head** (layer l) makes the last token of each context segment (an MMLU option's "\\n")
+attend over its segment, summarising it; an **Aggregate head** (layer l+1) at the prediction
+position puts almost all of its weight on the summary of the matching segment and copies its
+letter. They are few, so each is a bottleneck: removing one sends letter accuracy to chance while
+knowledge that needs no retrieval is intact.
+
+The operator is the official one (`utils.remove_heads` / `keep_heads`): zero the input columns of
+the mixer's output projection that belong to a head, W_out (d_model, H·d_head) viewed as
+(d_model, H, d_head). That equals zeroing the head's output before o_proj/out_proj (zero ablation,
+not mean ablation). Here it is a context manager that restores the exact weights on exit, so no
+ablated copy leaks into the next configuration (the official notebook reloads the model instead).
+SSM heads: a Mamba-2 value head (H heads of d_head), a Mamba-1 inner channel (d_head = 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+Heads = dict[int, Iterable[int]]  # layer -> head indices
+Evaluate = Callable[[], float]  # accuracy of the model in its current (ablated) state
+
+
+# ---------------------------------------------------------------------------- where the heads live
+
+def layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks: `model.model.layers` (Llama, Mixtral, Jamba) or `.backbone.layers` (Mamba)."""
+    base = getattr(model, "model", None) or getattr(model, "backbone", None) or model
+    return base.layers
+
+
+def mixer(model: nn.Module, layer: int) -> nn.Module:
+    """The sequence mixer of a block: self-attention, or the (Mamba-1/2) SSM mixer."""
+    block = layers(model)[layer]
+    for name in ("self_attn", "mixer", "mamba"):
+        if hasattr(block, name):
+            return getattr(block, name)
+    raise TypeError(f"block {layer} ({type(block).__name__}) has no self_attn/mixer/mamba module.")
+
+
+def out_proj(model: nn.Module, layer: int) -> nn.Linear:
+    m = mixer(model, layer)
+    return m.o_proj if hasattr(m, "o_proj") else m.out_proj
+
+
+def head_shape(model: nn.Module, layer: int) -> tuple[int, int]:
+    """(number of heads H, head width d_head) of a layer's mixer input to its output projection."""
+    m, cfg = mixer(model, layer), model.config
+    if hasattr(m, "o_proj"):  # attention: query heads (with GQA, K/V heads are shared; ablate at o_proj)
+        H = cfg.num_attention_heads
+        return H, m.o_proj.in_features // H
+    if hasattr(m, "num_heads") and hasattr(m, "head_dim"):  # Mamba-2 SSD heads
+        return m.num_heads, m.head_dim
+    return m.out_proj.in_features, 1  # Mamba-1: every inner channel is a head
+
+
+# ------------------------------------------------------------------------------------ the operator
+
+def head_mask(H: int, heads: Iterable[int], *, keep: bool) -> torch.Tensor:
+    """(H,) of 0/1: zeros on `heads` (remove) or everywhere else (keep)."""
+    heads = list(heads)
+    if any(not 0 <= h < H for h in heads):
+        raise IndexError(f"head indices {heads} out of range for {H} heads.")
+    mask = torch.zeros(H) if keep else torch.ones(H)
+    mask[heads] = 1.0 if keep else 0.0
+    return mask
+
+
+@contextmanager
+def ablate(model: nn.Module, heads: Heads, *, keep: bool = False) -> Iterator[nn.Module]:
+    """Within the block, the listed heads are removed (`keep=False`) or are the only ones kept in
+    their layers (`keep=True`): W_out[:, h, :] = 0 for the zeroed heads. Weights are restored
+    bit-for-bit on exit, also after an exception."""
+    saved = {}
+    try:
+        for layer, hs in heads.items():
+            W = out_proj(model, layer).weight  # (d_model, H·d_head)
+            H, d_head = head_shape(model, layer)
+            saved[layer] = W.detach().clone()
+            mask = head_mask(H, hs, keep=keep).to(W)
+            with torch.no_grad():
+                W.view(W.shape[0], H, d_head).mul_(mask[None, :, None])
+        yield model
+    finally:
+        with torch.no_grad():
+            for layer, W0 in saved.items():
+                out_proj(model, layer).weight.copy_(W0)
+
+
+class _Skip(nn.Module):
+    """A block that passes the residual stream through unchanged."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+@contextmanager
+def pruned(model: nn.Module, *, keep_layers: int | None = None, skip: int | None = None) -> Iterator[nn.Module]:
+    """Keep only the first `keep_layers` blocks (cumulative pruning from the top, §3), or replace
+    block `skip` by the identity. The original blocks come back on exit."""
+    mods = layers(model)
+    original = list(mods)
+    try:
+        if keep_layers is not None:
+            for i in range(keep_layers, len(original)):
+                mods[i] = _Skip()
+        if skip is not None:
+            mods[skip] = _Skip()
+        yield model
+    finally:
+        for i, block in enumerate(original):
+            mods[i] = block
+
+
+# ------------------------------------------------------------------------------------ the protocol
+
+def pruning_curve(model: nn.Module, evaluate: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
+    """Each metric with the first k blocks kept, k = 1..L (the paper's Fig. 2 curve)."""
+    L = len(layers(model))
+    curve = {name: [] for name in evaluate}
+    for k in range(1, L + 1):
+        with pruned(model, keep_layers=k):
+            for name, f in evaluate.items():
+                curve[name].append(f())
+    return curve
+
+
+def collapse_layer(curve: list[float], *, chance: float, margin: float = 0.5) -> int:
+    """Index of the last block the retrieval metric needs: the smallest k whose curve clears
+    chance + margin·(max - chance), minus one (the aggregate layer in the paper's protocol)."""
+    top = max(curve)
+    bar = chance + margin * (top - chance)
+    return next(k for k, v in enumerate(curve) if v >= bar)
+
+
+def head_sweep(model: nn.Module, layer_ids: Iterable[int], evaluate: Evaluate) -> torch.Tensor:
+    """Accuracy drop when removing each single head of each listed layer: (len(layers), H)."""
+    base = evaluate()
+    rows = []
+    for layer in layer_ids:
+        H, _ = head_shape(model, layer)
+        row = []
+        for h in range(H):
+            with ablate(model, {layer: [h]}):
+                row.append(base - evaluate())
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+def four_configurations(model: nn.Module, gather: tuple[int, int], aggregate: tuple[int, int],
+                        evaluate: Evaluate) -> dict[str, float]:
+    """The official keep/remove table: in the gather and aggregate layers keep only {G, A}, then
+    also drop G, A or both (`none`)."""
+    (lg, g), (la, a) = gather, aggregate
+    configs = {"gather + aggregate": ([g], [a]), "only aggregate": ([], [a]),
+               "only gather": ([g], []), "none": ([], [])}
+    out = {}
+    for name, (keep_g, keep_a) in configs.items():
+        keep = {lg: keep_g, la: keep_a} if lg != la else {lg: keep_g + keep_a}
+        with ablate(model, keep, keep=True):
+            out[name] = evaluate()
+    return out
+
+
+# -------------------------------------------------------------------------------- attention maps
+
+@torch.no_grad()
+def attention(model: nn.Module, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """Every head's (hidden-)attention matrix of one layer: (B, H, T, T).
+
+    Softmax attention for attention layers (eager attention); for Mamba-1/2 the SSM's hidden
+    attention (`lab.interp.hidden_attention`), which reproduces the layer's scan output."""
+    m = mixer(model, layer)
+    if hasattr(m, "o_proj"):
+        out = model(input_ids=input_ids, output_attentions=True, use_cache=False)
+        return out.attentions[layer].float()
+    from lab.interp.hidden_attention import hidden_attention
+
+    return hidden_attention(model, input_ids, layer)
+
+
+def sharpness(row: torch.Tensor, target: int) -> tuple[float, float]:
+    """An aggregate row's focus: mass on the target position |a_t| / Σ_j |a_j| and the entropy
+    (nats) of |a| normalised. |·| because SSM matrices can be negative and do not sum to 1."""
+    p = row.abs().float()
+    p = p / p.sum()
+    entropy = -(p * p.clamp_min(1e-12).log()).sum().item()
+    return p[target].item(), entropy
+
+
+def max_entropy(T: int) -> float:
+    return math.log(T)
+
+
+# ------------------------------------------------------------------------- toy training prior
+
+@dataclass(frozen=True)
+class HeadLasso:
+    """Group-lasso prior on heads: λ Σ_layers Σ_h ||W_out[:, h, :]||_F (a training-time penalty).
+
+    Not part of the paper. Pretrained LLMs concentrate G&A in a few heads because heads are scarce
+    across many skills; a toy trained on one task instead spreads retrieval over redundant heads.
+    This prior makes unused heads cheap to switch off, so the toy's circuits become few-head as in
+    the paper; the notebook shows the sweep with and without it."""
+
+    lam: float = 1e-3
+
+    def __call__(self, model: nn.Module) -> torch.Tensor:
+        total = 0.0
+        for layer in range(len(layers(model))):
+            W = out_proj(model, layer).weight  # (d_model, H·d_head)
+            H, d_head = head_shape(model, layer)
+            total = total + W.view(W.shape[0], H, d_head).pow(2).sum((0, 2)).add(1e-12).sqrt().sum()
+        return self.lam * total

@@ -1,0 +1,138 @@
+import math
+
+import pytest
+import torch
+from transformers import MambaConfig, MambaForCausalLM
+
+from lab.interp import gather_aggregate as ga
+from lab.models import tiny_llama, tiny_mamba2, tiny_mixtral
+
+V = 20
+
+
+def models():
+    torch.manual_seed(0)
+    mamba1 = MambaForCausalLM(MambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=2,
+                                          expand=2, use_mambapy=False))
+    return {"llama": tiny_llama(vocab_size=V, d_model=32, n_layers=2, n_heads=4),
+            "mixtral": tiny_mixtral(vocab_size=V, d_model=32, n_layers=2, n_heads=4),
+            "mamba2": tiny_mamba2(vocab_size=V, d_model=32, n_layers=2, head_dim=16),
+            "mamba1": mamba1}
+
+
+MODELS = models()
+X = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=X, use_cache=False).logits
+
+
+def manual_zero_head(model, layer, heads):
+    """Zero the heads' slices of the output projection's *input* with a hook: the reference."""
+    H, d_head = ga.head_shape(model, layer)
+
+    def hook(_, args):
+        (x,) = args
+        x = x.clone().view(*x.shape[:-1], H, d_head)
+        x[..., heads, :] = 0
+        return (x.view(*x.shape[:-2], H * d_head),)
+
+    return ga.out_proj(model, layer).register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_head_shapes(name):
+    m = MODELS[name]
+    H, d_head = ga.head_shape(m, 0)
+    assert H * d_head == ga.out_proj(m, 0).in_features
+    assert {"llama": (4, 8), "mixtral": (4, 8), "mamba2": (4, 16), "mamba1": (32, 1)}[name] == (H, d_head)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ablation_equals_zeroing_the_heads_output(name):
+    m = MODELS[name].eval()
+    heads = [1, 2]
+    handle = manual_zero_head(m, 1, heads)
+    want = logits(m)
+    handle.remove()
+    with ga.ablate(m, {1: heads}):
+        got = logits(m)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, logits(m))  # and it did change something
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_keep_and_remove_are_complements_and_restore_exactly(name):
+    m = MODELS[name]
+    W0 = {l: ga.out_proj(m, l).weight.detach().clone() for l in (0, 1)}
+    heads = {0: [0], 1: [1, 3]}
+    with ga.ablate(m, heads):
+        removed = {l: ga.out_proj(m, l).weight.detach().clone() for l in heads}
+    with ga.ablate(m, heads, keep=True):
+        kept = {l: ga.out_proj(m, l).weight.detach().clone() for l in heads}
+    for l in heads:
+        assert torch.equal(removed[l] + kept[l], W0[l])  # complementary masks: exact inverse pair
+        assert torch.equal(ga.out_proj(m, l).weight, W0[l])  # restored bit for bit
+    with pytest.raises(RuntimeError), ga.ablate(m, {1: [0]}):
+        raise RuntimeError("restored even on error")
+    assert torch.equal(ga.out_proj(m, 1).weight, W0[1])
+    with pytest.raises(IndexError):
+        with ga.ablate(m, {0: [99]}):
+            pass
+
+
+def test_pruned_keeps_the_first_blocks_and_restores():
+    m = MODELS["llama"].eval()
+    full = logits(m)
+    with ga.pruned(m, keep_layers=1):
+        one = logits(m)
+    # reference: the residual stream after the first block, then the final norm and the head
+    with torch.no_grad():
+        after_first = m.model(input_ids=X, output_hidden_states=True, use_cache=False).hidden_states[1]
+        torch.testing.assert_close(one, m.lm_head(m.model.norm(after_first)))
+    assert not torch.allclose(one, full)
+    torch.testing.assert_close(logits(m), full)  # restored
+    with ga.pruned(m, skip=1):  # skipping the last block is the same as keeping the first
+        torch.testing.assert_close(logits(m), one)
+
+
+def test_sweep_four_configurations_and_collapse_on_a_scripted_model():
+    m = MODELS["llama"]
+    # an "accuracy" that needs head 2 of layer 0 and head 1 of layer 1 (read off the live weights)
+    def acc():
+        alive = lambda l, h: ga.out_proj(m, l).weight.view(32, 4, 8)[:, h].abs().sum() > 0
+        return 0.25 + 0.75 * float(alive(0, 2) and alive(1, 1))
+
+    drop = ga.head_sweep(m, [0, 1], acc)
+    assert drop.shape == (2, 4)
+    assert drop.tolist() == [[0, 0, 0.75, 0], [0, 0.75, 0, 0]]
+    table = ga.four_configurations(m, (0, 2), (1, 1), acc)
+    assert table == {"gather + aggregate": 1.0, "only aggregate": 0.25, "only gather": 0.25, "none": 0.25}
+    assert ga.collapse_layer([0.25, 0.26, 0.9, 0.95], chance=0.25) == 2
+    curve = ga.pruning_curve(m, {"n_blocks": lambda: float(sum(not isinstance(b, ga._Skip) for b in ga.layers(m)))})
+    assert curve == {"n_blocks": [1.0, 2.0]}
+
+
+def test_attention_for_each_kind():
+    for name in ("llama", "mamba2", "mamba1"):
+        m = MODELS[name]
+        A = ga.attention(m, X[:1], 1)
+        H, _ = ga.head_shape(m, 1)
+        assert A.shape == (1, H, 9, 9)
+        assert torch.all(A.triu(1) == 0)
+    torch.testing.assert_close(ga.attention(MODELS["llama"], X[:1], 0).sum(-1), torch.ones(1, 4, 9))
+
+
+def test_sharpness_by_hand():
+    mass, ent = ga.sharpness(torch.tensor([0.0, 1.0, 0.0, 0.0]), 1)
+    assert mass == 1.0 and ent == pytest.approx(0.0, abs=1e-6)
+    mass, ent = ga.sharpness(torch.tensor([0.5, -0.5, 0.5, 0.5]), 1)  # |.|: SSM rows can be negative
+    assert mass == pytest.approx(0.25) and ent == pytest.approx(math.log(4))
+
+
+def test_head_lasso_is_a_sum_of_head_norms():
+    m = MODELS["llama"]
+    want = sum(ga.out_proj(m, l).weight.view(32, 4, 8)[:, h].norm() for l in (0, 1) for h in range(4))
+    torch.testing.assert_close(ga.HeadLasso(0.5)(m), 0.5 * want)
