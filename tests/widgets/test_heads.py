@@ -1,0 +1,60 @@
+import torch
+
+from lab.data.letters import LetterRetrieval
+from lab.interp import gather_aggregate as ga
+from lab.models import tiny_llama, tiny_mamba2
+from lab.models.score import choice_logprobs
+from lab.widgets.heads import attention_figure, drop_figure, head_explorer, head_map, minmax
+
+TASK = LetterRetrieval()
+EX = TASK.examples(40, torch.Generator().manual_seed(0))
+
+
+def evaluate(model, tok):
+    logp = choice_logprobs(model, tok, [e["prompt"] for e in EX], TASK.letters)
+    return (logp.argmax(1) == torch.tensor([TASK.letters.index(e["answer"]) for e in EX])).float().mean().item()
+
+
+def make():
+    torch.manual_seed(0)
+    V = len(TASK.tokenizer)
+    return {"transformer": (tiny_llama(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_len=64).eval(), TASK.tokenizer),
+            "mamba2": (tiny_mamba2(vocab_size=V, d_model=32, n_layers=2, head_dim=16).eval(), TASK.tokenizer)}
+
+
+def test_explorer_follows_its_controls_and_reports_the_ablation():
+    models = make()
+    drops = {"transformer": torch.rand(2, 4)}
+    box = head_explorer(models, [e["prompt"] for e in EX[:3]], evaluate, drops=drops)
+    c = box.controls
+    T = len(EX[0]["prompt"].split())
+    z = torch.tensor(box.figure.data[0].z)
+    assert z.shape == (T, T) and box.figure.data[0].x[0] == "0:<bos>"
+    want, _ = head_map(*models["transformer"], EX[0]["prompt"], 0, 0)
+    torch.testing.assert_close(z, want)
+    c["layer"].value, c["head"].value = 1, 2
+    torch.testing.assert_close(torch.tensor(box.figure.data[0].z), head_map(*models["transformer"], EX[0]["prompt"], 1, 2)[0])
+    assert "L1H2: accuracy" in box.readout.value and "removed" not in box.readout.value
+    base = evaluate(*models["transformer"])
+    W0 = ga.out_proj(models["transformer"][0], 1).weight.clone()
+    c["ablate"].value = True
+    with ga.ablate(models["transformer"][0], {1: [2]}):
+        cut = evaluate(*models["transformer"])
+    assert box.accuracy[("transformer", 1, 2, True)] == cut
+    assert f"accuracy {base:.3f} → <b>{cut:.3f}</b>" in box.readout.value
+    assert torch.equal(ga.out_proj(models["transformer"][0], 1).weight, W0)  # no ablation leaks
+    torch.testing.assert_close(torch.tensor(box.drop_fig.data[0].z), drops["transformer"])
+    c["model"].value = "mamba2"  # an SSM: hidden attention, its own head count
+    assert c["head"].max == 3 and torch.tensor(box.figure.data[0].z).shape == (T, T)
+    c["prompt"].value = 2
+    assert box.figure.data[0].y[-1].endswith(EX[2]["prompt"].split()[-1])
+
+
+def test_precomputed_views():
+    maps = {(0, 0): torch.eye(3), (1, 2): torch.ones(3, 3)}
+    fig = attention_figure(maps, ["a", "b", "a"])
+    assert len(fig.data) == 2 and [t.visible for t in fig.data] == [True, False]
+    assert list(fig.data[0].x) == ["0:a", "1:b", "2:a"]
+    assert [b.args[0]["visible"] for b in fig.layout.updatemenus[0].buttons] == [[True, False], [False, True]]
+    assert torch.equal(torch.tensor(drop_figure(torch.zeros(2, 3)).data[0].z), torch.zeros(2, 3))
+    torch.testing.assert_close(minmax(torch.tensor([-1.0, 0.0, 3.0])), torch.tensor([0.0, 0.25, 1.0]))
