@@ -18,8 +18,9 @@ def evaluate(model, tok):
 def make():
     torch.manual_seed(0)
     V = len(TASK.tokenizer)
-    return {"transformer": (tiny_llama(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_len=64).eval(), TASK.tokenizer),
-            "mamba2": (tiny_mamba2(vocab_size=V, d_model=32, n_layers=2, head_dim=16).eval(), TASK.tokenizer)}
+    transformer = tiny_llama(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_len=64).eval()
+    mamba2 = tiny_mamba2(vocab_size=V, d_model=32, n_layers=2, head_dim=16).eval()
+    return {"transformer": (transformer, TASK.tokenizer), "mamba2": (mamba2, TASK.tokenizer)}
 
 
 def test_explorer_follows_its_controls_and_reports_the_ablation():
@@ -33,7 +34,8 @@ def test_explorer_follows_its_controls_and_reports_the_ablation():
     want, _ = head_map(*models["transformer"], EX[0]["prompt"], 0, 0)
     torch.testing.assert_close(z, want)
     c["layer"].value, c["head"].value = 1, 2
-    torch.testing.assert_close(torch.tensor(box.figure.data[0].z), head_map(*models["transformer"], EX[0]["prompt"], 1, 2)[0])
+    want, _ = head_map(*models["transformer"], EX[0]["prompt"], 1, 2)
+    torch.testing.assert_close(torch.tensor(box.figure.data[0].z), want)
     assert "L1H2: accuracy" in box.readout.value and "removed" not in box.readout.value
     base = evaluate(*models["transformer"])
     W0 = ga.out_proj(models["transformer"][0], 1).weight.clone()
