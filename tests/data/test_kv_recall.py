@@ -57,3 +57,28 @@ def test_values_are_uniform_enough():
 def test_bad_specs(kw):
     with pytest.raises(ValueError):
         KVRecall(**kw)
+
+
+def test_variable_number_of_pairs():
+    task = KVRecall(n_pairs=6, n_keys=8, n_values=5, n_queries=2, min_pairs=2)
+    b = task.batch(200, torch.Generator().manual_seed(4))
+    x, y = b["input_ids"], b["labels"]
+    assert x.shape == (200, task.seq_len)
+    reals = set()
+    for row, lab in zip(x.tolist(), y.tolist()):
+        words = task.tokenizer.convert_ids_to_tokens(row)
+        ctx = words[: 2 * task.n_pairs]
+        n_fill = ctx.count("_")
+        assert n_fill % 2 == 0 and ctx[:n_fill] == ["_"] * n_fill  # fillers first
+        reals.add(task.n_pairs - n_fill // 2)
+        for i in (i for i, t in enumerate(lab) if t != IGNORE):
+            assert words[i - 1] in ctx[n_fill:] and words[i] == naive_answer(ctx, words[i - 1])
+    assert reals == set(range(2, 7))
+    for k in (2, 6):
+        for e in task.examples(20, torch.Generator().manual_seed(5), n_pairs=k):
+            words = e["prompt"].split()
+            assert words.count("_") == 2 * (task.n_pairs - k) and e["answer"] == naive_answer(words, words[-1])
+            s, t = e["answer_span"]
+            assert e["prompt"][s:t] == e["answer"]
+    with pytest.raises(ValueError):
+        KVRecall(n_pairs=3, min_pairs=4)
