@@ -222,3 +222,20 @@ class HeadLasso:
             H, d_head = head_shape(model, layer)
             total = total + W.view(W.shape[0], H, d_head).pow(2).sum((0, 2)).add(1e-12).sqrt().sum()
         return self.lam * total
+
+
+# ------------------------------------------------------------------------------------- scoring
+
+def accuracy(model: nn.Module, tokenizer, examples: list[dict], choices: list[str] | None = None) -> float:
+    """Share of examples whose answer has the highest log-prob among the choices (lm-eval style).
+
+    `choices` shared by all examples (one batched pass), or each example's own `choices`."""
+    from lab.models.score import choice_logprobs
+
+    if choices is not None:
+        logp = choice_logprobs(model, tokenizer, [e["prompt"] for e in examples], choices)  # (N, C)
+        target = torch.tensor([choices.index(e["answer"]) for e in examples])
+        return (logp.argmax(-1) == target).float().mean().item()
+    hits = [choice_logprobs(model, tokenizer, [e["prompt"]], e["choices"])[0].argmax().item()
+            == e["choices"].index(e["answer"]) for e in examples]
+    return sum(hits) / len(hits)

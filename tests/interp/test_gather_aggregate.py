@@ -136,3 +136,18 @@ def test_head_lasso_is_a_sum_of_head_norms():
     m = MODELS["llama"]
     want = sum(ga.out_proj(m, l).weight.view(32, 4, 8)[:, h].norm() for l in (0, 1) for h in range(4))
     torch.testing.assert_close(ga.HeadLasso(0.5)(m), 0.5 * want)
+
+
+def test_accuracy_shared_and_per_example_choices():
+    from lab.models import word_tokenizer
+
+    tok = word_tokenizer(["a", "b", "c", "x"])
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=len(tok), d_model=16, n_layers=1, n_heads=2).eval()
+    ex = [{"prompt": "x a", "answer": "b"}, {"prompt": "x b", "answer": "c"}, {"prompt": "x c", "answer": "a"}]
+    from lab.models.score import choice_logprobs
+
+    logp = choice_logprobs(m, tok, [e["prompt"] for e in ex], ["a", "b", "c"])
+    want = sum(["abc"[i] == e["answer"] for i, e in zip(logp.argmax(1).tolist(), ex)]) / 3
+    assert ga.accuracy(m, tok, ex, ["a", "b", "c"]) == want
+    assert ga.accuracy(m, tok, [{**e, "choices": ["a", "b", "c"]} for e in ex]) == want
