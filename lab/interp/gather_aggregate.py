@@ -172,6 +172,44 @@ def four_configurations(model: nn.Module, gather: tuple[int, int], aggregate: tu
     return out
 
 
+@dataclass
+class Discovery:
+    """What `discover` measured: accuracies, per-head drops, the G&A heads and their ablations."""
+
+    letter: float
+    cloze: float
+    layer_ids: list[int]
+    drop: torch.Tensor  # (len(layer_ids), H) letter-accuracy drop per removed head
+    cloze_drop: torch.Tensor  # (len(layer_ids), H)
+    gather: tuple[int, int]  # (layer, head)
+    aggregate: tuple[int, int]
+    removed: dict[str, tuple[float, float]]  # "gather"/"aggregate" -> (letter, cloze) without it
+    other_max: float  # largest letter drop of any other single head in those layers
+    table: dict[str, float]  # the four keep-only configurations
+
+
+def discover(model: nn.Module, letter: Evaluate, cloze: Evaluate, layer_ids: tuple[int, int], *,
+             heads: tuple[tuple[int, int], tuple[int, int]] | None = None) -> Discovery:
+    """The head-level protocol on the (gather layer, aggregate layer) pair (§3, notebook steps 2-3):
+    sweep single-head removals, take the top head of each layer as G and A (or use the given
+    `heads`, e.g. the paper's L16H22 / L17H24 for Llama-3.1-8B), then measure removing each and the
+    four keep-only configurations."""
+    lg, la = layer_ids
+    drop = head_sweep(model, [lg, la], letter)
+    cloze_drop = head_sweep(model, [lg, la], cloze)
+    if heads is None:
+        heads = ((lg, int(drop[0].argmax())), (la, int(drop[1].argmax())))
+    gather, aggregate = heads
+    removed = {}
+    for name, (layer, h) in (("gather", gather), ("aggregate", aggregate)):
+        with ablate(model, {layer: [h]}):
+            removed[name] = (letter(), cloze())
+    others = drop.clone()
+    others[0, gather[1]] = others[1, aggregate[1]] = float("-inf")
+    return Discovery(letter(), cloze(), [lg, la], drop, cloze_drop, gather, aggregate, removed,
+                     float(others.max()), four_configurations(model, gather, aggregate, letter))
+
+
 # -------------------------------------------------------------------------------- attention maps
 
 @torch.no_grad()

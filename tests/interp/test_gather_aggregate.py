@@ -151,3 +151,19 @@ def test_accuracy_shared_and_per_example_choices():
     want = sum(["abc"[i] == e["answer"] for i, e in zip(logp.argmax(1).tolist(), ex)]) / 3
     assert ga.accuracy(m, tok, ex, ["a", "b", "c"]) == want
     assert ga.accuracy(m, tok, [{**e, "choices": ["a", "b", "c"]} for e in ex]) == want
+
+
+def test_discover_on_a_scripted_model():
+    m = MODELS["llama"]
+
+    def alive(l, h):
+        return ga.out_proj(m, l).weight.view(32, 4, 8)[:, h].abs().sum() > 0
+
+    letter = lambda: 0.25 + 0.75 * float(alive(0, 3) and alive(1, 0)) - 0.05 * float(not alive(1, 2))
+    cloze = lambda: 1.0
+    d = ga.discover(m, letter, cloze, (0, 1))
+    assert d.gather == (0, 3) and d.aggregate == (1, 0)
+    assert d.letter == 1.0 and d.removed == {"gather": (0.25, 1.0), "aggregate": (0.25, 1.0)}
+    assert d.other_max == pytest.approx(0.05)
+    assert d.table["gather + aggregate"] == pytest.approx(0.95) and d.table["none"] == pytest.approx(0.2)
+    assert ga.discover(m, letter, cloze, (0, 1), heads=((0, 1), (1, 1))).gather == (0, 1)
