@@ -8,13 +8,15 @@ the *letter* of the option whose content is f(question):
 
 Options have random lengths (0..max_filler filler words `w*` after the content; `_` pads the front
 so all prompts have one length): with fixed-length options a model can read the letter off the
-position of the matching content and skip retrieval altogether.
+position of the matching content and skip retrieval altogether (with RoPE, even random lengths
+leave a distance shortcut; the notebook's toy uses no positional encoding).
 
 Answering needs knowledge (f) *and* retrieval (find the option, copy its letter): in the paper's
 terms a Gather head summarises each option into its delimiter and an Aggregate head at the last
-position picks the matching delimiter. The cloze control asks for the knowledge alone:
+position picks the matching delimiter. The cloze control asks for the knowledge alone, with the
+question last so that answering needs no attention at all:
 
-    <bos> q5 ?   ->  c9
+    <bos> ? q5   ->  c9
 """
 
 from __future__ import annotations
@@ -103,11 +105,11 @@ class LetterRetrieval:
         return torch.tensor(rows), answer, torch.tensor(delim_pos)
 
     def cloze_rows(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids (n, 3) of cloze prompts `<bos> q ?` and the content index f(q) (n,)."""
+        """Token ids (n, 3) of cloze prompts `<bos> ? q` and the content index f(q) (n,)."""
         q = torch.randint(self.n_questions, (n,), generator=generator)
         q_ids = torch.tensor(self.ids(self.questions))[q]
         ends = torch.tensor(self.ids(["<bos>", ASK]))
-        return torch.stack([ends[0].expand(n), q_ids, ends[1].expand(n)], 1), self.knowledge[q]
+        return torch.stack([ends[0].expand(n), ends[1].expand(n), q_ids], 1), self.knowledge[q]
 
     def batch(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """One training batch: letter prompts, or (with probability `cloze_frac`) cloze prompts;

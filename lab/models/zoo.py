@@ -21,12 +21,16 @@ from transformers import (
 
 
 def tiny_llama(*, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-               d_ff: int | None = None, max_len: int = 128) -> LlamaForCausalLM:
-    """Llama-style dense decoder (RMSNorm, RoPE, SwiGLU MLP of width `d_ff`, default 4·d_model)."""
+               d_ff: int | None = None, max_len: int = 128, rope: bool = True) -> LlamaForCausalLM:
+    """Llama-style dense decoder (RMSNorm, RoPE, SwiGLU MLP of width `d_ff`, default 4·d_model).
+
+    `rope=False` gives a NoPE model (no positional encoding; the causal mask still orders tokens):
+    RoPE with positions scaled by 1e-9, a config-level setting that survives save/load."""
+    no_rope = {"rope_type": "linear", "factor": 1e9, "rope_theta": 10000.0}
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_ff or 4 * d_model,
                       num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_heads,
                       max_position_embeddings=max_len, tie_word_embeddings=False,
-                      attn_implementation="eager")
+                      attn_implementation="eager", **({} if rope else {"rope_parameters": no_rope}))
     return LlamaForCausalLM(cfg)
 
 

@@ -38,7 +38,7 @@ def test_letter_prompts_have_one_correct_option_and_a_fixed_length():
 
 def test_cloze_and_batches():
     for e in TASK.examples(20, torch.Generator().manual_seed(1), "cloze"):
-        bos, q, ask = e["prompt"].split()
+        bos, ask, q = e["prompt"].split()
         assert ask == ASK and e["answer"] == TASK.contents[TASK.knowledge[TASK.questions.index(q)]]
     g = torch.Generator().manual_seed(2)
     kinds = set()

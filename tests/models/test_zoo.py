@@ -48,3 +48,20 @@ def test_eager_attention_is_exposed():
     assert len(att) == 2 and att[0].shape == (1, 4, 6, 6)
     torch.testing.assert_close(att[0].sum(-1), torch.ones(1, 4, 6))
     assert torch.all(att[0].triu(1) == 0)  # causal
+
+
+def test_nope_llama_ignores_position_and_survives_save_load(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=20, d_model=32, n_layers=1, n_heads=2, rope=False).eval()
+    # with no positional encoding, the first query attends equally to identical earlier tokens
+    x = torch.tensor([[5, 5, 5, 7]])
+    att = m(input_ids=x, output_attentions=True).attentions[0][0, :, 3, :3]  # (H, 3)
+    torch.testing.assert_close(att, att[:, :1].expand(-1, 3))
+    m.save_pretrained(tmp_path)
+    again = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(again(input_ids=x).logits, m(input_ids=x).logits)
+    with_rope = tiny_llama(vocab_size=20, d_model=32, n_layers=1, n_heads=2).eval()
+    att = with_rope(input_ids=x, output_attentions=True).attentions[0][0, :, 3, :3]
+    assert not torch.allclose(att, att[:, :1].expand(-1, 3))
