@@ -1,0 +1,145 @@
+r"""EXPO — Hu, Kong, He & Wipf, "Explicit Preference Optimization: No Need for an Implicit Reward
+Model", ICML 2025 (arXiv 2506.07492; code: lmkong020/explicit-preference-optimization).
+
+DPO-like losses see π_θ only through h_θ = log π_θ − log π_ref; their population minimizer is
+π_ref·π*^{1/λ}/Z (BT preferences with strength π*), which moves a prompt where π_ref is already
+optimal (*preservation* failure) and collapses to argmax π* as λ → 0 (*interpolation* failure).
+EXPO instead posits the two desiderata explicitly (the `expo` branch of the official `Model.forward`):
+
+    ℓ_EXPO = E[−log σ(log π_θ(y_w|x) − log π_θ(y_l|x))]  +  λ·E_x[KL(π_ref(·|x) ‖ π_θ(·|x))]
+
+The first term is the BT likelihood with the *policy's own* log-probs (minimizer: π*), the second a
+mass-covering regularizer (minimizer: π_ref). The official code computes the KL with
+`F.kl_div(log π_θ, log π_ref, log_target=True)` and the default `reduction="mean"`, which divides
+by the number of responses: `kl_scale="mean"` mirrors that (effective weight λ/|Y|), "sum" does not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def expo(pi: Tensor, ref: Tensor, *, lam: float = 1.0, kl: Tensor) -> Tensor:
+    """Per-example EXPO loss on (B, 2) log-probs: −log σ(π_w − π_l) + λ·kl, with `kl` (B,) an
+    estimate of KL(π_ref(·|x) ‖ π_θ(·|x)) for each example's prompt (`kl_exact`, or a token-level
+    or reference-sample estimate at LM scale). `ref` is unused by the supervised term, by design."""
+    if pi.ndim != 2 or pi.shape[1] != 2:
+        raise ValueError(f"EXPO is pairwise: pi must be (B, 2); got {tuple(pi.shape)}.")
+    return F.softplus(-(pi[:, 0] - pi[:, 1])) + lam * kl
+
+
+def kl_exact(logp_ref: Tensor, logp: Tensor, *, scale: str = "sum") -> Tensor:
+    """KL(π_ref ‖ π_θ) over a full response set: (..., Y) log-probs -> (...). `scale="mean"`
+    divides by |Y| as the official `F.kl_div(reduction="mean")` does."""
+    kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1)
+    return kl / logp.shape[-1] if scale == "mean" else kl
+
+
+# ------------------------------------------------------------------ the exact tabular setting (§5)
+
+def pair_table(pi_ref: Tensor, pi_star: Tensor, *, pairs: str = "uniform") -> tuple[Tensor, Tensor, Tensor]:
+    """All ordered pairs (i, j), i ≠ j, of K responses with their population weight: the two
+    responses drawn uniformly (the official toy notebooks: `random` pairs, ties dropped) or from π_ref
+    (`pairs="reference"`), and y_i ≻ y_j with BT probability σ(log π*_i − log π*_j).
+    Returns (i, j) index tensors (P,) and weights (P,) summing to 1."""
+    K = pi_ref.shape[-1]
+    i, j = torch.meshgrid(torch.arange(K), torch.arange(K), indexing="ij")
+    keep = i != j
+    i, j = i[keep], j[keep]
+    draw = pi_ref[i] * pi_ref[j] if pairs == "reference" else torch.ones(len(i), dtype=pi_ref.dtype)
+    w = draw * torch.sigmoid(pi_star[i].log() - pi_star[j].log())
+    return i, j, w / w.sum()
+
+
+def population_loss(method: str, logits: Tensor, pi_ref: Tensor, pi_star: Tensor, lam: float, *,
+                    kl_scale: str = "mean", pairs: str = "uniform") -> Tensor:
+    """The expected loss of `method` for one prompt with K responses (tabular policy softmax(logits)).
+
+    Methods: the registry's pairwise losses ("dpo", "ipo", "fdpo_js") with β = λ as in the official
+    code, "expo", and "rlhf" (exact KL-regularised RL with reward log π*)."""
+    from lab.align import LOSSES
+
+    logp, logp_ref = logits.log_softmax(-1), pi_ref.log()
+    if method == "rlhf":
+        return -(logp.exp() * (pi_star.log() - lam * (logp - logp_ref))).sum()
+    i, j, w = pair_table(pi_ref, pi_star, pairs=pairs)
+    pi, ref = torch.stack([logp[i], logp[j]], 1), torch.stack([logp_ref[i], logp_ref[j]], 1)  # (P, 2)
+    if method == "expo":
+        per_pair = expo(pi, ref, lam=lam, kl=kl_exact(logp_ref, logp, scale=kl_scale).expand(len(i)))
+    else:
+        per_pair = LOSSES[method](pi, ref, beta=lam)
+    return (w * per_pair).sum()
+
+
+def solve(method: str, pi_ref: Tensor, pi_star: Tensor, lam: float, *, kl_scale: str = "mean",
+          pairs: str = "uniform", iters: int = 200) -> Tensor:
+    """The policy minimizing the population loss (float64 L-BFGS from π_ref's logits): (K,)."""
+    pi_ref, pi_star = pi_ref.double(), pi_star.double()
+    logits = pi_ref.log().clone().requires_grad_()
+    opt = torch.optim.LBFGS([logits], lr=1.0, max_iter=iters, tolerance_grad=1e-12, tolerance_change=1e-14,
+                            line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = population_loss(method, logits, pi_ref, pi_star, lam, kl_scale=kl_scale, pairs=pairs)
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        opt.step(closure)
+    return logits.detach().softmax(-1)
+
+
+def dpo_minimizer(pi_ref: Tensor, pi_star: Tensor, lam: float) -> Tensor:
+    """Closed form of DPO's (and RLHF's) population minimizer: π_ref · π*^{1/λ} / Z."""
+    logp = pi_ref.log() + pi_star.log() / lam
+    return logp.softmax(-1)
+
+
+def kl(p: Tensor, q: Tensor) -> float:
+    """KL(p ‖ q) with sum reduction (the distance the notes' tables use)."""
+    return float((p * (p.log() - q.log())).sum())
+
+
+# ------------------------------------------------------------ the sampled variant (official toy)
+
+def sample_pairs(pi_star: Tensor, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """The official `generate_data`: n uniform draws of two responses, ties dropped, the winner by
+    BT(π*). Returns y_w, y_l (P,) with P ≈ n·(1 − 1/K)."""
+    K = len(pi_star)
+    a, b = torch.randint(K, (n,), generator=generator), torch.randint(K, (n,), generator=generator)
+    keep = a != b
+    a, b = a[keep], b[keep]
+    a_wins = torch.rand(len(a), generator=generator, dtype=pi_star.dtype) < pi_star[a] / (pi_star[a] + pi_star[b])
+    return torch.where(a_wins, a, b), torch.where(a_wins, b, a)
+
+
+def train_tabular(method: str, y_w: Tensor, y_l: Tensor, pi_ref: Tensor, lam: float, *, epochs: int,
+                  lr: float, batch_size: int = 20, record_every: int = 50) -> tuple[Tensor, Tensor]:
+    """Adam on a tabular policy from π_ref's logits over the pairs, in order, as the official
+    `train` (grad-norm clip 10). Returns the final policy (K,) and its trajectory (S, K)."""
+    from lab.align import LOSSES
+
+    logits = pi_ref.log().clone().requires_grad_()
+    logp_ref = pi_ref.log()
+    opt = torch.optim.Adam([logits], lr=lr)
+    traj, step = [], 0
+    for _ in range(epochs):
+        for s in range(0, len(y_w), batch_size):
+            w, l = y_w[s:s + batch_size], y_l[s:s + batch_size]
+            logp = logits.log_softmax(-1)
+            pi, ref = torch.stack([logp[w], logp[l]], 1), torch.stack([logp_ref[w], logp_ref[l]], 1)
+            if method == "expo":
+                loss = expo(pi, ref, lam=lam, kl=kl_exact(logp_ref, logp, scale="mean").expand(len(w)))
+            else:
+                loss = LOSSES[method](pi, ref, beta=lam)
+            loss.mean().backward()
+            torch.nn.utils.clip_grad_norm_([logits], 10.0)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step % record_every == 0:
+                traj.append(logits.detach().softmax(-1))
+    return logits.detach().softmax(-1), torch.stack(traj)

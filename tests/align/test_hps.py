@@ -1,0 +1,61 @@
+import math
+
+import pytest
+import torch
+
+from lab.align.hps import gamma_schedule, hardness_weights, hps, sample_negative
+from lab.align.losses import dpo
+
+
+def test_sampler_frequencies_follow_softmax_over_the_negatives():
+    r = torch.tensor([[1.0, 0.8, 0.2, -0.5, 0.999]])
+    g = torch.Generator().manual_seed(0)
+    idx = sample_negative(r.expand(100_000, -1), 2.0, g)
+    freq = torch.bincount(idx, minlength=5).double() / len(idx)
+    neg = torch.tensor([False, True, True, True, True])
+    want = torch.zeros(5, dtype=torch.float64)
+    want[neg] = torch.softmax(2.0 * r[0, neg].double(), 0)
+    assert freq[0] == 0  # the best is never its own negative
+    torch.testing.assert_close(freq, want, atol=4e-3, rtol=0)
+
+
+def test_gamma_zero_is_uniform_and_large_gamma_picks_the_runner_up():
+    r = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    torch.testing.assert_close(hardness_weights(r, 0.0)[0, 1:], torch.full((3,), 1 / 3, dtype=torch.float64))
+    assert hardness_weights(r, 200.0)[0].argmax() == 1 and hardness_weights(r, 200.0)[0, 1] > 0.999
+    assert hardness_weights(r, -200.0)[0].argmax() == 3  # negative γ: easy negatives
+
+
+def test_no_overflow_and_ties_with_the_best_are_excluded():
+    w = hardness_weights(torch.tensor([[1000.0, 999.0, 0.0]]), 5.0)
+    assert torch.isfinite(w).all() and w[0, 1] == pytest.approx(1.0)
+    assert hardness_weights(torch.tensor([[1.0, 1.0, 0.0]]), 5.0)[0].tolist() == [0.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="no response below its best"):
+        hardness_weights(torch.tensor([[1.0, 1.0]]), 1.0)
+
+
+def test_the_official_code_bugs_and_their_fixes():
+    # 1. overflow: the official sampler exponentiates raw rewards
+    r = torch.tensor([1000.0, 999.0, 0.0], dtype=torch.float64)
+    official = torch.exp(5.0 * r[1:])
+    assert torch.isinf(official).any() and torch.isnan(official / official.sum()).any()
+    # 2. sign: the official `hard` setting's γ = −5 samples the *easiest* negative
+    assert hardness_weights(r[None], -5.0)[0].argmax() == 2 and hardness_weights(r[None], 5.0)[0].argmax() == 1
+    # 3. the curriculum (official `hard_i`): −5 ... 5 over five chunks, defined at chunk 0
+    assert [gamma_schedule(i, 5) for i in range(5)] == [-5.0, -2.5, 0.0, 2.5, 5.0]
+
+
+def test_hps_with_one_negative_is_dpo_and_the_paper_normalizer():
+    torch.manual_seed(0)
+    pi, ref = torch.randn(6, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    r = torch.tensor([[1.0, 0.0]]).expand(6, -1)
+    torch.testing.assert_close(hps(pi, ref, beta=0.25, r=r), dpo(pi, ref, beta=0.25))
+    pi3, ref3 = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    r3 = torch.tensor([[0.0, 1.0, -1.0]]).expand(6, -1)  # best is column 1
+    g = torch.Generator().manual_seed(1)
+    got = hps(pi3, ref3, beta=0.5, r=r3, gamma=1e4, generator=g)  # γ → ∞: the runner-up (column 0)
+    h = pi3 - ref3
+    want = torch.nn.functional.softplus(-(0.5 * (h[:, 1] - h[:, 0]) - math.log(2)))
+    torch.testing.assert_close(got, want)
+    code_form = hps(pi3, ref3, beta=0.5, r=r3, gamma=1e4, normalizer=False)
+    torch.testing.assert_close(code_form, torch.nn.functional.softplus(-(0.5 * (h[:, 1] - h[:, 0]))))

@@ -1,0 +1,35 @@
+import torch
+
+from lab.widgets.policies import distance_figure, kl_to_star, policy_explorer, policy_figure
+
+STAR = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+REF = torch.tensor([0.4, 0.4, 0.2], dtype=torch.float64)
+LOG_LAMS = [-1.0, 0.0, 1.0]
+SOL = torch.stack([STAR, (STAR + REF) / 2, REF])  # (L, K)
+GRID = {"bad": {"pi_ref": REF, "pi_star": STAR, "solutions": {"expo": SOL, "dpo": SOL.flip(0)}}}
+
+
+def test_kl_to_star():
+    d = kl_to_star(STAR, SOL)
+    assert d[0] == 0 and d[2] == float((STAR * (STAR / REF).log()).sum())
+
+
+def test_explorer_slider_updates_the_distances():
+    box = policy_explorer(GRID, LOG_LAMS)
+    assert "bad/expo 0.0000" in box.readout.value and "log λ = -1" in box.readout.value
+    box.lam.value = 2
+    d = float(kl_to_star(STAR, REF[None])[0])
+    assert f"bad/expo {d:.4f}" in box.readout.value and "bad/dpo 0.0000" in box.readout.value
+    assert "KL(π*‖π_θ)" in box.panels["bad"].value
+
+
+def test_figures():
+    fig = policy_figure(GRID, LOG_LAMS)
+    per_step = 4  # π*, π_ref, expo, dpo for one context
+    assert len(fig.data) == per_step * len(LOG_LAMS)
+    vis = fig.layout.sliders[0].steps[1].args[0]["visible"]
+    assert vis == [per_step <= i < 2 * per_step for i in range(len(fig.data))]
+    expo_at_1 = [t for t, v in zip(fig.data, vis) if v and t.name == "expo"][0]
+    torch.testing.assert_close(torch.tensor(expo_at_1.y, dtype=torch.float64), SOL[1])
+    dist = distance_figure(GRID, LOG_LAMS)
+    assert len(dist.data) == 2 and list(dist.data[0].x) == LOG_LAMS
