@@ -55,8 +55,8 @@ def policy_figure(grid: dict, log_lams: Sequence[float], *, title: str = "π_θ 
                             legendgroup=name, showlegend=c == 0)
         traces_per_step.append(idx)
     n = len(fig.data)
-    steps = [dict(method="update", label=f"{ll:g}", args=[{"visible": [i in set(traces_per_step[k]) for i in range(n)]}])
-             for k, ll in enumerate(log_lams)]
+    visible = [[i in set(idx) for i in range(n)] for idx in traces_per_step]
+    steps = [dict(method="update", label=f"{ll:g}", args=[{"visible": visible[k]}]) for k, ll in enumerate(log_lams)]
     fig.update_layout(title=title, barmode="group", yaxis=dict(title="probability", range=[0, 1]), height=420,
                       sliders=[dict(active=0, currentvalue=dict(prefix="log λ = "), steps=steps, pad=dict(t=40))])
     return fig
