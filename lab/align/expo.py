@@ -16,9 +16,41 @@ by the number of responses: `kl_scale="mean"` mirrors that (effective weight λ/
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+METHODS = ("dpo", "ipo", "fdpo_js", "rlhf", "expo")  # the §5 comparison; λ is β for the DPO family
+
+
+@dataclass(frozen=True)
+class Config:
+    """The §5 toys (official notebooks): interpolation with π* = [.6, .3, .1], π_ref = [.4, .4, .2];
+    preservation with a good context (π_ref = π* = [.6, .3, .1]) and a bad one (π* = [.6, .2, .2],
+    π_ref = [.4, .2, .4])."""
+
+    interp_log_lams: tuple[float, ...] = (-5, -3, -2, -1, 0, 1, 2, 3, 5)
+    preserve_log_lams: tuple[float, ...] = (-3, -2, -1, 0, 1, 2, 3)
+    n_pairs: int = 300  # sampled variant: uniform draws before dropping ties (official: 300)
+    epochs: int = 300  # sampled variant (official: 1000)
+    lr_dpo: float = 1e-3
+    lr_expo: float = 5e-4
+
+    @classmethod
+    def for_scale(cls, scale: str) -> Config:
+        if scale == "smoke":
+            return cls()
+        grid = tuple(x / 2 for x in range(-10, 11))
+        return cls(interp_log_lams=grid, preserve_log_lams=grid, epochs=1000)
+
+    @staticmethod
+    def settings() -> dict[str, tuple[Tensor, Tensor]]:
+        """{context: (π_ref, π*)} in float64."""
+        t = lambda *p: torch.tensor(p, dtype=torch.float64)
+        return {"interpolation": (t(0.4, 0.4, 0.2), t(0.6, 0.3, 0.1)),
+                "good": (t(0.6, 0.3, 0.1), t(0.6, 0.3, 0.1)), "bad": (t(0.4, 0.2, 0.4), t(0.6, 0.2, 0.2))}
 
 
 def expo(pi: Tensor, ref: Tensor, *, lam: float = 1.0, kl: Tensor) -> Tensor:
@@ -75,8 +107,13 @@ def population_loss(method: str, logits: Tensor, pi_ref: Tensor, pi_star: Tensor
 
 def solve(method: str, pi_ref: Tensor, pi_star: Tensor, lam: float, *, kl_scale: str = "mean",
           pairs: str = "uniform", iters: int = 200) -> Tensor:
-    """The policy minimizing the population loss (float64 L-BFGS from π_ref's logits): (K,)."""
+    """The policy minimizing the population loss (float64 L-BFGS from π_ref's logits): (K,).
+
+    "rlhf" returns its known optimum π_ref·π*^{1/λ}/Z: its objective is flat near a point mass
+    (gradients ∝ π(1−π)), so L-BFGS stalls there at small λ."""
     pi_ref, pi_star = pi_ref.double(), pi_star.double()
+    if method == "rlhf":
+        return dpo_minimizer(pi_ref, pi_star, lam)
     logits = pi_ref.log().clone().requires_grad_()
     opt = torch.optim.LBFGS([logits], lr=1.0, max_iter=iters, tolerance_grad=1e-12, tolerance_change=1e-14,
                             line_search_fn="strong_wolfe")
@@ -143,3 +180,10 @@ def train_tabular(method: str, y_w: Tensor, y_l: Tensor, pi_ref: Tensor, lam: fl
             if step % record_every == 0:
                 traj.append(logits.detach().softmax(-1))
     return logits.detach().softmax(-1), torch.stack(traj)
+
+
+def sweep(method: str, pi_ref: Tensor, pi_star: Tensor, log_lams) -> Tensor:
+    """Population solutions over a log λ grid: (L, K)."""
+    import math
+
+    return torch.stack([solve(method, pi_ref, pi_star, math.exp(ll)) for ll in log_lams])
