@@ -37,13 +37,24 @@ class Config:
     epochs: int = 300  # sampled variant (official: 1000)
     lr_dpo: float = 1e-3
     lr_expo: float = 5e-4
+    # tiny transformer: every response of length L over V tokens is enumerated (V^L per prompt)
+    V: int = 6
+    L: int = 3
+    d_model: int = 32
+    sft_steps: int = 300
+    lm_lams: tuple[float, ...] = (0.1, 1.0, 10.0)
+    lm_steps: int = 200
+    lm_batch: int = 128  # pairs per prompt per step
+    lm_lr: float = 2e-3
+    bad_kl: float = 1.0  # KL(π*_bad ‖ π_ref,bad) of the tilted target
 
     @classmethod
     def for_scale(cls, scale: str) -> Config:
         if scale == "smoke":
             return cls()
         grid = tuple(x / 2 for x in range(-10, 11))
-        return cls(interp_log_lams=grid, preserve_log_lams=grid, epochs=1000)
+        return cls(interp_log_lams=grid, preserve_log_lams=grid, epochs=1000, lm_lams=(0.03, 0.1, 0.3, 1.0, 3.0, 10.0),
+                   lm_steps=400)
 
     @staticmethod
     def settings() -> dict[str, tuple[Tensor, Tensor]]:
@@ -187,3 +198,106 @@ def sweep(method: str, pi_ref: Tensor, pi_star: Tensor, log_lams) -> Tensor:
     import math
 
     return torch.stack([solve(method, pi_ref, pi_star, math.exp(ll)) for ll in log_lams])
+
+
+# ------------------------------------------- the same tests on a tiny transformer (exact enumeration)
+
+def all_sequences(V: int, L: int) -> Tensor:
+    """Every response of length L over V tokens: (V^L, L)."""
+    return torch.cartesian_prod(*[torch.arange(V)] * L).reshape(-1, L)
+
+
+def seq_logprobs(model, prompts: Tensor, seqs: Tensor) -> Tensor:
+    """log π(y | x) for every prompt token x (C,) and response y (S, L) — exact, so probabilities over
+    the whole response space can be enumerated: (C, S). Response tokens are ids 0..V-1."""
+    C, (S, L) = len(prompts), seqs.shape
+    x = torch.cat([prompts[:, None, None].expand(C, S, 1), seqs[None].expand(C, S, L)], -1).reshape(C * S, L + 1)
+    logp = model(input_ids=x).logits[:, :-1].log_softmax(-1)  # (C·S, L, vocab)
+    return logp.gather(-1, x[:, 1:, None])[..., 0].sum(-1).reshape(C, S)
+
+
+def fit_exact(model, prompts: Tensor, seqs: Tensor, target_logp: Tensor, *, steps: int, lr: float) -> list[float]:
+    """SFT by enumeration: minimize KL(target ‖ π_model) per prompt with Adam; returns the KLs."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    p = target_logp.exp()
+    out = []
+    for _ in range(steps):
+        kl_ = (p * (target_logp - seq_logprobs(model, prompts, seqs))).sum(-1).mean()
+        kl_.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(kl_.item())
+    return out
+
+
+def tilt(logp: Tensor, target_kl: float, generator: torch.Generator) -> Tensor:
+    """A random log-linear tilt of a distribution, π ∝ exp(logp + τ·z), with τ set by bisection so
+    that KL(π ‖ exp(logp)) = target_kl: the toy's π* for the *bad* prompt."""
+    z = torch.randn(logp.shape, generator=generator, dtype=logp.dtype)
+    lo, hi = 0.0, 50.0
+    for _ in range(60):
+        tau = (lo + hi) / 2
+        q = (logp + tau * z).log_softmax(-1)
+        lo, hi = (tau, hi) if (q.exp() * (q - logp)).sum() < target_kl else (lo, tau)
+    return (logp + tau * z).log_softmax(-1)
+
+
+def train_lm(method: str, policy, prompts: Tensor, seqs: Tensor, ref_logp: Tensor, star_logp: Tensor, lam: float, *,
+             steps: int, lr: float, batch: int, generator: torch.Generator) -> Tensor:
+    """Preference training of a tiny LM: each step draws `batch` pairs per prompt from π_ref with soft
+    BT labels from π* (the expected loss over labels), applies the method's pairwise loss, and for
+    EXPO adds λ·KL(π_ref ‖ π_θ) computed exactly over all responses. Returns log π_θ (C, S)."""
+    from lab.align import LOSSES
+
+    opt = torch.optim.Adam(policy.parameters(), lr=lr)
+    C = len(prompts)
+    for _ in range(steps):
+        logp = seq_logprobs(policy, prompts, seqs)  # (C, S)
+        i = torch.multinomial(ref_logp.exp(), batch, replacement=True, generator=generator)  # (C, batch)
+        j = torch.multinomial(ref_logp.exp(), batch, replacement=True, generator=generator)
+        p_ij = torch.sigmoid(star_logp.gather(1, i) - star_logp.gather(1, j)).flatten()  # P(y_i ≻ y_j)
+        a, b = logp.gather(1, i).flatten(), logp.gather(1, j).flatten()
+        ra, rb = ref_logp.gather(1, i).flatten(), ref_logp.gather(1, j).flatten()
+        fwd, bwd = torch.stack([a, b], 1), torch.stack([b, a], 1)
+        rfwd, rbwd = torch.stack([ra, rb], 1), torch.stack([rb, ra], 1)
+        if method == "expo":
+            kl_ = kl_exact(ref_logp, logp).repeat_interleave(batch)  # (C·batch,)
+            loss = p_ij * expo(fwd, rfwd, lam=lam, kl=kl_) + (1 - p_ij) * expo(bwd, rbwd, lam=lam, kl=kl_)
+        else:
+            f = LOSSES[method]
+            loss = p_ij * f(fwd, rfwd, beta=lam) + (1 - p_ij) * f(bwd, rbwd, beta=lam)
+        (loss.sum() / C / batch).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        return seq_logprobs(policy, prompts, seqs)
+
+
+@dataclass
+class LMToy:
+    """The tiny-transformer preservation/interpolation setting: prompt 0 is *good* (π* = π_ref),
+    prompt 1 *bad* (π* a tilt of π_ref with KL(π*‖π_ref) = cfg.bad_kl)."""
+
+    reference: torch.nn.Module
+    prompts: Tensor  # (2,) prompt token ids
+    seqs: Tensor  # (S, L) every response
+    ref_logp: Tensor  # (2, S) log π_ref
+    star_logp: Tensor  # (2, S) log π*
+    sft_kl: float  # KL(SFT target ‖ π_ref) reached by the exact SFT
+
+
+def lm_toy(cfg: Config, seed: int) -> LMToy:
+    """Build π_ref by exact SFT of a tiny Llama onto random targets, then π* for both prompts."""
+    from lab.models import tiny_llama
+
+    seqs, prompts = all_sequences(cfg.V, cfg.L), torch.tensor([cfg.V, cfg.V + 1])
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = tiny_llama(vocab_size=cfg.V + 2, d_model=cfg.d_model, n_layers=2, n_heads=2, d_ff=2 * cfg.d_model,
+                       max_len=cfg.L + 1)
+    target = torch.randn(2, len(seqs), generator=g).log_softmax(-1)
+    kls = fit_exact(model, prompts, seqs, target, steps=cfg.sft_steps, lr=3e-3)
+    with torch.no_grad():
+        ref = seq_logprobs(model, prompts, seqs)
+    star = torch.stack([ref[0], tilt(ref[1].double(), cfg.bad_kl, g).float()])
+    return LMToy(model.eval(), prompts, seqs, ref, star, kls[-1])

@@ -23,7 +23,7 @@ def test_kl_exact_and_the_official_mean_reduction():
     want = float((PI_REF * (lr - lp)).sum())
     assert float(E.kl_exact(lr, lp)) == pytest.approx(want)
     assert float(E.kl_exact(lr, lp, scale="mean")) == pytest.approx(want / 3)
-    ref = torch.nn.functional.kl_div(lp, lr, log_target=True)  # what the official code calls (mean)
+    ref = torch.nn.functional.kl_div(lp, lr, log_target=True, reduction="mean")  # the official call
     assert float(E.kl_exact(lr, lp, scale="mean")) == pytest.approx(float(ref))
 
 
@@ -72,3 +72,34 @@ def test_official_numbers_for_dpo_and_ipo():
     assert E.kl(PI_STAR, E.solve("dpo", PI_STAR, PI_STAR, math.exp(-3))) == pytest.approx(7.26, abs=0.01)
     assert E.kl(PI_STAR, E.solve("dpo", PI_REF, PI_STAR, math.exp(-5))) == pytest.approx(56.6, abs=0.1)
     assert E.kl(PI_STAR, E.solve("ipo", PI_REF, PI_STAR, math.exp(-5))) == pytest.approx(11.3, abs=0.1)
+
+
+def test_enumerated_sequence_logprobs_are_a_distribution_and_match_a_loop():
+    from lab.models import tiny_llama
+
+    torch.manual_seed(0)
+    seqs = E.all_sequences(3, 2)
+    assert seqs.shape == (9, 2) and len({tuple(s) for s in seqs.tolist()}) == 9
+    m = tiny_llama(vocab_size=5, d_model=16, n_layers=1, n_heads=2, max_len=4).eval()
+    prompts = torch.tensor([3, 4])
+    with torch.no_grad():
+        logp = E.seq_logprobs(m, prompts, seqs)  # (2, 9)
+        torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2))  # the responses exhaust the space
+        x = torch.tensor([[4, 2, 0]])
+        step = m(input_ids=x).logits[0].log_softmax(-1)
+        want = step[0, 2] + step[1, 0]
+        torch.testing.assert_close(logp[1, seqs.tolist().index([2, 0])], want)
+
+
+def test_tilt_hits_its_kl_and_exact_sft_fits():
+    from lab.models import tiny_llama
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(27, dtype=torch.float64, generator=g).log_softmax(-1)
+    q = E.tilt(base, 0.7, g)
+    assert float((q.exp() * (q - base)).sum()) == pytest.approx(0.7, abs=1e-6)
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=5, d_model=16, n_layers=1, n_heads=2, max_len=4)
+    seqs, prompts = E.all_sequences(3, 2), torch.tensor([3, 4])
+    kls = E.fit_exact(m, prompts, seqs, torch.randn(2, 9).log_softmax(-1), steps=60, lr=1e-2)
+    assert kls[-1] < 0.5 * kls[0]
