@@ -207,22 +207,24 @@ def all_sequences(V: int, L: int) -> Tensor:
     return torch.cartesian_prod(*[torch.arange(V)] * L).reshape(-1, L)
 
 
-def seq_logprobs(model, prompts: Tensor, seqs: Tensor) -> Tensor:
-    """log π(y | x) for every prompt token x (C,) and response y (S, L) — exact, so probabilities over
-    the whole response space can be enumerated: (C, S). Response tokens are ids 0..V-1."""
+def seq_logprobs(model, prompts: Tensor, seqs: Tensor, V: int) -> Tensor:
+    """log π(y | x) for every prompt token x (C,) and response y (S, L): (C, S). The next-token
+    softmax is over the V response tokens (ids 0..V-1) only, so the responses exhaust the space and
+    every distribution over them is exact."""
     C, (S, L) = len(prompts), seqs.shape
     x = torch.cat([prompts[:, None, None].expand(C, S, 1), seqs[None].expand(C, S, L)], -1).reshape(C * S, L + 1)
-    logp = model(input_ids=x).logits[:, :-1].log_softmax(-1)  # (C·S, L, vocab)
+    logp = model(input_ids=x).logits[:, :-1, :V].log_softmax(-1)  # (C·S, L, V)
     return logp.gather(-1, x[:, 1:, None])[..., 0].sum(-1).reshape(C, S)
 
 
-def fit_exact(model, prompts: Tensor, seqs: Tensor, target_logp: Tensor, *, steps: int, lr: float) -> list[float]:
+def fit_exact(model, prompts: Tensor, seqs: Tensor, target_logp: Tensor, V: int, *, steps: int,
+              lr: float) -> list[float]:
     """SFT by enumeration: minimize KL(target ‖ π_model) per prompt with Adam; returns the KLs."""
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     p = target_logp.exp()
     out = []
     for _ in range(steps):
-        kl_ = (p * (target_logp - seq_logprobs(model, prompts, seqs))).sum(-1).mean()
+        kl_ = (p * (target_logp - seq_logprobs(model, prompts, seqs, V))).sum(-1).mean()
         kl_.backward()
         opt.step()
         opt.zero_grad()
@@ -243,7 +245,7 @@ def tilt(logp: Tensor, target_kl: float, generator: torch.Generator) -> Tensor:
 
 
 def train_lm(method: str, policy, prompts: Tensor, seqs: Tensor, ref_logp: Tensor, star_logp: Tensor, lam: float, *,
-             steps: int, lr: float, batch: int, generator: torch.Generator) -> Tensor:
+             V: int, steps: int, lr: float, batch: int, generator: torch.Generator) -> Tensor:
     """Preference training of a tiny LM: each step draws `batch` pairs per prompt from π_ref with soft
     BT labels from π* (the expected loss over labels), applies the method's pairwise loss, and for
     EXPO adds λ·KL(π_ref ‖ π_θ) computed exactly over all responses. Returns log π_θ (C, S)."""
@@ -252,7 +254,7 @@ def train_lm(method: str, policy, prompts: Tensor, seqs: Tensor, ref_logp: Tenso
     opt = torch.optim.Adam(policy.parameters(), lr=lr)
     C = len(prompts)
     for _ in range(steps):
-        logp = seq_logprobs(policy, prompts, seqs)  # (C, S)
+        logp = seq_logprobs(policy, prompts, seqs, V)  # (C, S)
         i = torch.multinomial(ref_logp.exp(), batch, replacement=True, generator=generator)  # (C, batch)
         j = torch.multinomial(ref_logp.exp(), batch, replacement=True, generator=generator)
         p_ij = torch.sigmoid(star_logp.gather(1, i) - star_logp.gather(1, j)).flatten()  # P(y_i ≻ y_j)
@@ -270,7 +272,7 @@ def train_lm(method: str, policy, prompts: Tensor, seqs: Tensor, ref_logp: Tenso
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
-        return seq_logprobs(policy, prompts, seqs)
+        return seq_logprobs(policy, prompts, seqs, V)
 
 
 @dataclass
@@ -296,8 +298,8 @@ def lm_toy(cfg: Config, seed: int) -> LMToy:
     model = tiny_llama(vocab_size=cfg.V + 2, d_model=cfg.d_model, n_layers=2, n_heads=2, d_ff=2 * cfg.d_model,
                        max_len=cfg.L + 1)
     target = torch.randn(2, len(seqs), generator=g).log_softmax(-1)
-    kls = fit_exact(model, prompts, seqs, target, steps=cfg.sft_steps, lr=3e-3)
+    kls = fit_exact(model, prompts, seqs, target, cfg.V, steps=cfg.sft_steps, lr=3e-3)
     with torch.no_grad():
-        ref = seq_logprobs(model, prompts, seqs)
+        ref = seq_logprobs(model, prompts, seqs, cfg.V)
     star = torch.stack([ref[0], tilt(ref[1].double(), cfg.bad_kl, g).float()])
     return LMToy(model.eval(), prompts, seqs, ref, star, kls[-1])

@@ -83,10 +83,10 @@ def test_enumerated_sequence_logprobs_are_a_distribution_and_match_a_loop():
     m = tiny_llama(vocab_size=5, d_model=16, n_layers=1, n_heads=2, max_len=4).eval()
     prompts = torch.tensor([3, 4])
     with torch.no_grad():
-        logp = E.seq_logprobs(m, prompts, seqs)  # (2, 9)
+        logp = E.seq_logprobs(m, prompts, seqs, 3)  # (2, 9)
         torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2))  # the responses exhaust the space
         x = torch.tensor([[4, 2, 0]])
-        step = m(input_ids=x).logits[0].log_softmax(-1)
+        step = m(input_ids=x).logits[0, :, :3].log_softmax(-1)
         want = step[0, 2] + step[1, 0]
         torch.testing.assert_close(logp[1, seqs.tolist().index([2, 0])], want)
 
@@ -101,5 +101,5 @@ def test_tilt_hits_its_kl_and_exact_sft_fits():
     torch.manual_seed(0)
     m = tiny_llama(vocab_size=5, d_model=16, n_layers=1, n_heads=2, max_len=4)
     seqs, prompts = E.all_sequences(3, 2), torch.tensor([3, 4])
-    kls = E.fit_exact(m, prompts, seqs, torch.randn(2, 9).log_softmax(-1), steps=60, lr=1e-2)
+    kls = E.fit_exact(m, prompts, seqs, torch.randn(2, 9).log_softmax(-1), 3, steps=60, lr=1e-2)
     assert kls[-1] < 0.5 * kls[0]
