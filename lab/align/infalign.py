@@ -1,0 +1,174 @@
+r"""InfAlign — Balashankar, Sun et al., "InfAlign: Inference-aware language model alignment",
+ICML 2025 (arXiv 2412.19792; no official code).
+
+Aligned models are decoded with inference-time procedures T — Best-of-N (BoN), or Worst-of-N (WoN,
+the jailbreak view of a safety reward) — yet RLHF optimizes the plain win rate. InfAlign maximizes
+the win rate of T(π) against T(π_ref) under a KL budget; its optimum is RLHF with a *transformed*
+reward. CTRL (calibrate-and-transform): (1) calibrate the reward to its quantile among base-policy
+samples for the same prompt, C(x, y) = P_{y'~π_ref}(r(x,y') < r(x,y)) + ½P(=) ∈ [0, 1]; (2) apply
+Φ_t(u) = exp(t·u) for BoN or −exp(−t·u) for WoN; (3) KL-regularized RL on Φ_t(C).
+
+The *analytical tool* (derivations for this lab, labelled as such in the notebook): when the tilted
+policy depends on y only through u = C, u ~ U[0, 1] under π_ref, and π ∝ π_ref·exp(Φ(u)/β) induces
+on [0, 1] the density q(u) = exp(Φ(u)/β)/Z with KL(π‖π_ref) = ∫ q log q. With F the CDF of q:
+
+    W_1 = ∫ u q(u) du      W_BoN = 1 − ∫ N u^{N−1} F(u)^N du      W_WoN = 1 − ∫ N (1−u)^{N−1} (1 − (1−F(u))^N) du
+
+and the optimal transformed reward is the fixed point R = R[q*] (BoN: R(w) = −N² ∫_w^1 v^{N−1} F(v)^{N−1} dv;
+WoN: −N² ∫_w^1 (1−v)^{N−1} (1−F(v))^{N−1} dv; N = 1 gives the identity). Everything is computed on a
+midpoint grid of M cells in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+Transform = Callable[[Tensor], Tensor]  # Φ: calibrated reward u -> transformed reward
+
+
+def grid(M: int = 4000) -> Tensor:
+    """Midpoints of M equal cells of [0, 1] (float64)."""
+    return (torch.arange(M, dtype=torch.float64) + 0.5) / M
+
+
+# ------------------------------------------------------------------------------------ the transforms
+
+def identity(u: Tensor) -> Tensor:
+    return u
+
+
+def log_cal(u: Tensor) -> Tensor:
+    """log u: with β = 1/(N−1) its tilt is exactly the BoN policy (density N u^{N−1})."""
+    return u.log()
+
+
+def raw_gaussian(u: Tensor) -> Tensor:
+    """A raw N(0, 1) reward seen through its quantile: r = Φ_N^{-1}(u) (uncalibrated RLHF)."""
+    return torch.special.ndtri(u)
+
+
+def exp_bon(t: float) -> Transform:
+    """Φ_t(u) = exp(t·u), t > 0 (for Best-of-N)."""
+    return lambda u: torch.exp(t * u)
+
+
+def exp_won(t: float) -> Transform:
+    """Φ_t(u) = −exp(−t·u), t > 0 (for Worst-of-N); still increasing in u."""
+    return lambda u: -torch.exp(-t * u)
+
+
+# -------------------------------------------------------------------------- densities and metrics
+
+def density(phi: Transform | Tensor, beta: float, u: Tensor) -> Tensor:
+    """q(u) = exp(Φ(u)/β) / Z on the grid, normalized so that Σ q du = 1: (M,)."""
+    logq = (phi(u) if callable(phi) else phi) / beta
+    return (logq - torch.logsumexp(logq, 0) + math.log(len(u))).exp()
+
+
+def kl(q: Tensor) -> float:
+    """KL(π ‖ π_ref) = ∫ q log q du."""
+    return float((q * q.clamp_min(1e-300).log()).mean())
+
+
+def cdf(q: Tensor) -> Tensor:
+    """F(u) at the grid points (midpoint rule, half of the own cell)."""
+    c = q.cumsum(0) / len(q)
+    return c - q / (2 * len(q))
+
+
+def win_rate(q: Tensor, N: int = 1, kind: str = "bon") -> float:
+    """Inference-time win rate of T(π) against T(π_ref): standard (N = 1), BoN or WoN."""
+    u, F = grid(len(q)), cdf(q)
+    if N == 1:
+        return float((u * q).mean())
+    if kind == "bon":
+        return float(1 - (N * u ** (N - 1) * F ** N).mean())
+    if kind == "won":
+        return float(1 - (N * (1 - u) ** (N - 1) * (1 - (1 - F) ** N)).mean())
+    raise ValueError(f"kind={kind!r} is not 'bon' or 'won'.")
+
+
+def optimal_reward(q: Tensor, N: int, kind: str = "bon") -> Tensor:
+    """The transformed reward R[q] whose tilt is stationary for the T-win rate (the derivative)."""
+    u, F = grid(len(q)), cdf(q)
+    g = u ** (N - 1) * F ** (N - 1) if kind == "bon" else (1 - u) ** (N - 1) * (1 - F) ** (N - 1)
+    tail = g.flip(0).cumsum(0).flip(0) / len(q)  # ∫_w^1 g
+    return -N ** 2 * tail
+
+
+def fixed_point(beta: float, N: int, kind: str = "bon", *, M: int = 4000, iters: int = 1500,
+                alpha: float = 0.1) -> Tensor:
+    """The InfAlign-optimal density at β: damped iteration q ← (1−α)q + α·softmax(R[q]/β)."""
+    u = grid(M)
+    q = torch.ones(M, dtype=torch.float64)
+    for _ in range(iters):
+        q = (1 - alpha) * q + alpha * density(optimal_reward(q, N, kind), beta, u)
+    return q
+
+
+# ---------------------------------------------------------------------------- matched-KL frontiers
+
+def frontier(make_q: Callable[[float], Tensor], betas: Tensor, N: int, kind: str = "bon") -> tuple[Tensor, Tensor]:
+    """(KL, win rate) along a β grid for densities `make_q(β)`: two (len(betas),) tensors."""
+    qs = [make_q(float(b)) for b in betas]
+    return (torch.tensor([kl(q) for q in qs], dtype=torch.float64),
+            torch.tensor([win_rate(q, N, kind) for q in qs], dtype=torch.float64))
+
+
+def at_kl(kls: Tensor, wins: Tensor, target: float) -> float:
+    """Win rate at a KL budget, interpolated along a frontier (KL increasing as β decreases)."""
+    order = kls.argsort()
+    k, w = kls[order].numpy(), wins[order].numpy()
+    if not k[0] <= target <= k[-1]:
+        raise ValueError(f"KL {target} is outside the frontier's range [{k[0]:.3g}, {k[-1]:.3g}]; widen the β grid.")
+    import numpy as np
+
+    return float(np.interp(target, k, w))
+
+
+def win_at_kl(phi: Transform, N: int, kind: str, target: float, *, M: int = 4000) -> float:
+    """Win rate of the Φ-tilt at a KL budget (β found by bisection on KL, which falls as β grows)."""
+    u = grid(M)
+    lo, hi = -12.0, 12.0  # log β
+    scale = float((phi(u).max() - phi(u).min()).clamp_min(1e-12))
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if kl(density(phi, scale * math.exp(mid), u)) > target:
+            lo = mid
+        else:
+            hi = mid
+    return win_rate(density(phi, scale * math.exp((lo + hi) / 2), u), N, kind)
+
+
+TS = (1, 2, 3, 5, 7, 10, 15, 20, 30, 40)  # the t grid searched for the best exponential transform
+
+
+def best_exp(N: int, kind: str, target: float, ts=TS, *, M: int = 4000) -> tuple[float, float]:
+    """The best exponential transform of the kind's sign at a KL budget: (t, win rate)."""
+    make = exp_bon if kind == "bon" else exp_won
+    wins = [(win_at_kl(make(t), N, kind, target, M=M), t) for t in ts]
+    w, t = max(wins)
+    return t, w
+
+
+def optimum_at_kl(N: int, kind: str, target: float, *, betas: Tensor | None = None, M: int = 2000,
+                  iters: int = 800) -> float:
+    """Win rate of the fixed-point optimum at a KL budget (interpolated over a β grid)."""
+    betas = torch.logspace(-3, 1, 25, dtype=torch.float64) if betas is None else betas
+    kls, wins = frontier(lambda b: fixed_point(b, N, kind, M=M, iters=iters), betas, N, kind)
+    return at_kl(kls, wins, target)
+
+
+# ------------------------------------------------------------------------------------ calibration
+
+def calibrate(base_scores: Tensor, score: Tensor) -> Tensor:
+    """Ĉ = fraction of a prompt's base-policy scores below `score`, ties counted ½.
+
+    base_scores (B, K) are K samples of π_ref per prompt, score (B, ...) the rewards to calibrate."""
+    b = base_scores.reshape(base_scores.shape[0], *[1] * (score.ndim - 1), -1)  # (B, ..., K)
+    s = score[..., None]
+    return ((b < s).double().mean(-1) + 0.5 * (b == s).double().mean(-1))
