@@ -61,4 +61,5 @@ def test_calibration_is_the_per_prompt_quantile_with_half_ties():
     # invariant to a monotone map of the reward and to a per-prompt scale
     scores = torch.tensor([[2.0, 5.0], [25.0, 0.0]])
     torch.testing.assert_close(I.calibrate(base.exp(), scores.exp()), got)
-    torch.testing.assert_close(I.calibrate(base * torch.tensor([[3.0], [0.01]]), scores * torch.tensor([[3.0], [0.01]])), got)
+    sigma = torch.tensor([[3.0], [0.01]])
+    torch.testing.assert_close(I.calibrate(base * sigma, scores * sigma), got)
