@@ -23,11 +23,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 Transform = Callable[[Tensor], Tensor]  # Φ: calibrated reward u -> transformed reward
+
+
+@dataclass(frozen=True)
+class Config:
+    M: int = 4000  # grid cells for closed forms
+    M_opt: int = 2000  # grid cells for the fixed-point optimum (iterative, slower)
+    opt_iters: int = 800
+    budgets: tuple[float, ...] = (0.25, 0.5, 1.0)  # KL budgets (nats) where methods are compared
+    settings: tuple[tuple[str, int], ...] = (("bon", 1), ("bon", 4), ("bon", 16), ("won", 4), ("won", 16))
+
+    @classmethod
+    def for_scale(cls, scale: str) -> Config:
+        return cls() if scale == "smoke" else cls(M=20000, M_opt=8000, opt_iters=2000)
 
 
 def grid(M: int = 4000) -> Tensor:

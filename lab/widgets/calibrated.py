@@ -14,6 +14,7 @@ import math
 import plotly.graph_objects as go
 
 from lab.align import infalign as I
+from lab.widgets.figures import show_in
 
 
 def frontier_figure(curves: dict[str, dict[str, tuple[list[float], list[float]]]], *,
@@ -59,9 +60,7 @@ def calibrated_explorer(*, M: int = 2000):
         box.figure = go.Figure(go.Scatter(x=u[::10].tolist(), y=q[::10].tolist(), mode="lines", name="q(u)"))
         box.figure.update_layout(title="density of the calibrated reward under π", xaxis_title="u = C(x, y)",
                                  yaxis_title="q(u)", height=300, margin=dict(t=40))
-        out.clear_output(wait=True)
-        with out:
-            box.figure.show()
+        show_in(out, box.figure)
 
     for c in (kind, N, t, log_beta):
         c.observe(update, "value")

@@ -29,3 +29,13 @@ def heatmap(z, *, x: Sequence[str], y: Sequence[str], title: str, zmin: float | 
     fig.update_layout(title=title, height=120 + 40 * len(y), margin=dict(t=50, b=40))
     fig.update_yaxes(autorange="reversed")
     return fig
+
+
+def show_in(out, fig: go.Figure) -> None:
+    """Put a plotly figure into an ipywidgets `Output` by setting its state (no output capture, no
+    `clear_output`): JupyterLab renders the plotly mimetype live, the saved widget state carries it
+    into reports, and it works outside a kernel (tests)."""
+    import json
+
+    out.outputs = ({"output_type": "display_data", "metadata": {},
+                    "data": {"application/vnd.plotly.v1+json": json.loads(fig.to_json()), "text/plain": "<Figure>"}},)

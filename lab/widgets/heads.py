@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 import torch
 
 from lab.interp import gather_aggregate as ga
+from lab.widgets.figures import show_in
 
 Evaluate = Callable[[torch.nn.Module, object], float]  # (model, tokenizer) -> accuracy
 
@@ -113,9 +114,7 @@ def head_explorer(models: dict[str, tuple[torch.nn.Module, object]], prompts: Se
         head.max = ga.head_shape(model, layer.value)[0] - 1
         if drops and name.value in drops:
             box.drop_fig = drop_figure(drops[name.value], title=f"{name.value}: accuracy drop per removed head")
-            out_drop.clear_output()
-            with out_drop:
-                box.drop_fig.show()
+            show_in(out_drop, box.drop_fig)
 
     def update(_=None):
         model, tok = models[name.value]
@@ -130,9 +129,7 @@ def head_explorer(models: dict[str, tuple[torch.nn.Module, object]], prompts: Se
             cut = acc((name.value, l, h, True))
             text += f" → <b>{cut:.3f}</b> with this head removed (drop {base - cut:+.3f})"
         readout.value = text
-        out_map.clear_output(wait=True)
-        with out_map:
-            box.figure.show()
+        show_in(out_map, box.figure)
 
     name.observe(lambda c: (sizes(), update()), "value")
     layer.observe(lambda c: (sizes(), update()), "value")

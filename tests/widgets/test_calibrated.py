@@ -26,3 +26,10 @@ def test_frontier_figure_dropdown():
                            "WoN-4": {"identity": ([0.1, 1.0], [0.6, 0.9])}})
     assert len(fig.data) == 3 and [t.visible for t in fig.data] == [True, True, False]
     assert fig.layout.updatemenus[0].buttons[1].args[0]["visible"] == [False, False, True]
+
+
+def test_the_figure_lives_in_the_output_widget_state():
+    box = calibrated_explorer(M=1000)
+    (out,) = [c for c in box.children if hasattr(c, "outputs")]
+    data = out.outputs[0]["data"]["application/vnd.plotly.v1+json"]
+    assert data["data"][0]["y"] == list(box.figure.data[0].y)
