@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lab.align.exact import all_sequences, fit_exact, seq_logprobs
+
 METHODS = ("dpo", "ipo", "fdpo_js", "rlhf", "expo")  # the §5 comparison; λ is β for the DPO family
 
 
@@ -201,36 +203,6 @@ def sweep(method: str, pi_ref: Tensor, pi_star: Tensor, log_lams) -> Tensor:
 
 
 # ------------------------------------------- the same tests on a tiny transformer (exact enumeration)
-
-def all_sequences(V: int, L: int) -> Tensor:
-    """Every response of length L over V tokens: (V^L, L)."""
-    return torch.cartesian_prod(*[torch.arange(V)] * L).reshape(-1, L)
-
-
-def seq_logprobs(model, prompts: Tensor, seqs: Tensor, V: int) -> Tensor:
-    """log π(y | x) for every prompt token x (C,) and response y (S, L): (C, S). The next-token
-    softmax is over the V response tokens (ids 0..V-1) only, so the responses exhaust the space and
-    every distribution over them is exact."""
-    C, (S, L) = len(prompts), seqs.shape
-    x = torch.cat([prompts[:, None, None].expand(C, S, 1), seqs[None].expand(C, S, L)], -1).reshape(C * S, L + 1)
-    logp = model(input_ids=x).logits[:, :-1, :V].log_softmax(-1)  # (C·S, L, V)
-    return logp.gather(-1, x[:, 1:, None])[..., 0].sum(-1).reshape(C, S)
-
-
-def fit_exact(model, prompts: Tensor, seqs: Tensor, target_logp: Tensor, V: int, *, steps: int,
-              lr: float) -> list[float]:
-    """SFT by enumeration: minimize KL(target ‖ π_model) per prompt with Adam; returns the KLs."""
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    p = target_logp.exp()
-    out = []
-    for _ in range(steps):
-        kl_ = (p * (target_logp - seq_logprobs(model, prompts, seqs, V))).sum(-1).mean()
-        kl_.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(kl_.item())
-    return out
-
 
 def tilt(logp: Tensor, target_kl: float, generator: torch.Generator) -> Tensor:
     """A random log-linear tilt of a distribution, π ∝ exp(logp + τ·z), with τ set by bisection so

@@ -38,10 +38,19 @@ class Config:
     opt_iters: int = 800
     budgets: tuple[float, ...] = (0.25, 0.5, 1.0)  # KL budgets (nats) where methods are compared
     settings: tuple[tuple[str, int], ...] = (("bon", 1), ("bon", 4), ("bon", 16), ("won", 4), ("won", 16))
+    # tiny transformer by exact enumeration: V^L responses, prompts with heterogeneous reward scales
+    V: int = 6
+    L: int = 3
+    sigmas: tuple[float, ...] = (1.0, 0.3, 0.1, 3.0)  # per-prompt reward scale
+    sft_steps: int = 300
+    rl_steps: int = 250
+    lr: float = 3e-3
+    lm_kl: float = 0.5
+    lm_N: int = 4
 
     @classmethod
     def for_scale(cls, scale: str) -> Config:
-        return cls() if scale == "smoke" else cls(M=20000, M_opt=8000, opt_iters=2000)
+        return cls() if scale == "smoke" else cls(M=20000, M_opt=8000, opt_iters=2000, rl_steps=600)
 
 
 def grid(M: int = 4000) -> Tensor:
@@ -186,3 +195,64 @@ def calibrate(base_scores: Tensor, score: Tensor) -> Tensor:
     b = base_scores.reshape(base_scores.shape[0], *[1] * (score.ndim - 1), -1)  # (B, ..., K)
     s = score[..., None]
     return ((b < s).double().mean(-1) + 0.5 * (b == s).double().mean(-1))
+
+
+# ------------------------------------------ the tiny transformer, by exact enumeration (claim I5)
+
+def calibrate_exact(ref_logp: Tensor, r: Tensor) -> Tensor:
+    """C(x, y) = P_{y'~π_ref(·|x)}(r(y') < r(y)) + ½P(=), exact over the enumerated responses: (C, S)."""
+    p = ref_logp.double().exp()  # (C, S)
+    less = (r[:, None, :] < r[:, :, None]).double()  # (C, S_y, S_y')
+    equal = (r[:, None, :] == r[:, :, None]).double()
+    return ((less + 0.5 * equal) * p[:, None, :]).sum(-1)
+
+
+def rescaled(phi: Transform) -> Transform:
+    """Φ mapped onto [0, 1] over u ∈ [0, 1] (β then lives on a sane scale for every t)."""
+    lo, hi = phi(torch.tensor(0.0, dtype=torch.float64)), phi(torch.tensor(1.0, dtype=torch.float64))
+    return lambda u: (phi(u) - lo) / (hi - lo)
+
+
+def tilt_logp(ref_logp: Tensor, R: Tensor, beta: float) -> Tensor:
+    """The closed-form KL-regularized optimum log π ∝ log π_ref + R/β, per prompt: (C, S)."""
+    return (ref_logp.double() + R / beta).log_softmax(-1)
+
+
+def beta_for_kl(ref_logp: Tensor, R: Tensor, target: float) -> float:
+    """One β shared by all prompts with mean KL(π_β ‖ π_ref) = target (bisection on log β)."""
+    lo, hi = -15.0, 15.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        q = tilt_logp(ref_logp, R, math.exp(mid))
+        kl_ = (q.exp() * (q - ref_logp.double())).sum(-1).mean()
+        lo, hi = (mid, hi) if kl_ > target else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+@dataclass
+class LMToy:
+    reference: torch.nn.Module
+    prompts: Tensor  # (C,)
+    seqs: Tensor  # (S, L)
+    ref_logp: Tensor  # (C, S)
+    r: Tensor  # (C, S) raw reward: per-prompt scale × a linear token-position score
+
+
+def lm_toy(cfg: Config, seed: int) -> LMToy:
+    """π_ref by exact SFT of a tiny Llama onto random per-prompt targets; a linear reward whose
+    scale differs by prompt (so one β over- or under-optimizes raw rewards per prompt)."""
+    from lab.align.exact import all_sequences, fit_exact, seq_logprobs
+    from lab.models import tiny_llama
+
+    C = len(cfg.sigmas)
+    seqs, prompts = all_sequences(cfg.V, cfg.L), torch.arange(cfg.V, cfg.V + C)
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = tiny_llama(vocab_size=cfg.V + C, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=cfg.L + 1)
+    fit_exact(model, prompts, seqs, torch.randn(C, len(seqs), generator=g).log_softmax(-1), cfg.V,
+              steps=cfg.sft_steps, lr=cfg.lr)
+    with torch.no_grad():
+        ref = seq_logprobs(model, prompts, seqs, cfg.V)
+    W = torch.randn(cfg.V, cfg.L, generator=g)  # score of token v at position t
+    r = torch.tensor(cfg.sigmas)[:, None] * W[seqs, torch.arange(cfg.L)].sum(-1)[None, :]
+    return LMToy(model.eval(), prompts, seqs, ref, r.double())

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from lab.align import exact as X
 from lab.align import expo as E
 
 PI_STAR = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
@@ -78,12 +79,12 @@ def test_enumerated_sequence_logprobs_are_a_distribution_and_match_a_loop():
     from lab.models import tiny_llama
 
     torch.manual_seed(0)
-    seqs = E.all_sequences(3, 2)
+    seqs = X.all_sequences(3, 2)
     assert seqs.shape == (9, 2) and len({tuple(s) for s in seqs.tolist()}) == 9
     m = tiny_llama(vocab_size=5, d_model=16, n_layers=1, n_heads=2, max_len=4).eval()
     prompts = torch.tensor([3, 4])
     with torch.no_grad():
-        logp = E.seq_logprobs(m, prompts, seqs, 3)  # (2, 9)
+        logp = X.seq_logprobs(m, prompts, seqs, 3)  # (2, 9)
         torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2))  # the responses exhaust the space
         x = torch.tensor([[4, 2, 0]])
         step = m(input_ids=x).logits[0, :, :3].log_softmax(-1)
@@ -100,6 +101,6 @@ def test_tilt_hits_its_kl_and_exact_sft_fits():
     assert float((q.exp() * (q - base)).sum()) == pytest.approx(0.7, abs=1e-6)
     torch.manual_seed(0)
     m = tiny_llama(vocab_size=5, d_model=16, n_layers=1, n_heads=2, max_len=4)
-    seqs, prompts = E.all_sequences(3, 2), torch.tensor([3, 4])
-    kls = E.fit_exact(m, prompts, seqs, torch.randn(2, 9).log_softmax(-1), 3, steps=60, lr=1e-2)
+    seqs, prompts = X.all_sequences(3, 2), torch.tensor([3, 4])
+    kls = X.fit_exact(m, prompts, seqs, torch.randn(2, 9).log_softmax(-1), 3, steps=60, lr=1e-2)
     assert kls[-1] < 0.5 * kls[0]

@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+from lab.align import exact as X
+from lab.align import infalign as I
+
+
+def test_exact_win_rates_against_brute_force_and_the_base_policy():
+    g = torch.Generator().manual_seed(0)
+    S = 7
+    p, q = torch.rand(1, S, generator=g).log_softmax(-1), torch.rand(1, S, generator=g).log_softmax(-1)
+    r = torch.tensor([[0.3, 1.0, -2.0, 0.3, 5.0, 0.0, 1.0]], dtype=torch.float64)  # with ties
+    assert float(X.win_rate(q, q, r, 4)) == pytest.approx(0.5)  # a policy against itself
+    # brute force over all N-tuples for N = 2
+    P, Q = p[0].double().exp(), q[0].double().exp()
+    want = 0.0
+    for a in range(S):
+        for b in range(S):
+            for c in range(S):
+                for d in range(S):
+                    mine, theirs = max(r[0, a], r[0, b]), max(r[0, c], r[0, d])
+                    w = P[a] * P[b] * Q[c] * Q[d]
+                    want += w * (1.0 if mine > theirs else 0.5 if mine == theirs else 0.0)
+    assert float(X.win_rate(p, q, r, 2, "bon")) == pytest.approx(float(want))
+    won = sum(P[a] * P[b] * Q[c] * Q[d] * (1.0 if min(r[0, a], r[0, b]) > min(r[0, c], r[0, d]) else
+                                           0.5 if min(r[0, a], r[0, b]) == min(r[0, c], r[0, d]) else 0.0)
+              for a in range(S) for b in range(S) for c in range(S) for d in range(S))
+    assert float(X.win_rate(p, q, r, 2, "won")) == pytest.approx(float(won))
+
+
+def test_exact_calibration_and_matched_kl():
+    ref = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    r = torch.tensor([[3.0, 1.0, 2.0, 2.0]], dtype=torch.float64)
+    want = torch.tensor([[0.2 + 0.3 + 0.4 + 0.05, 0.1, 0.2 + 0.35, 0.2 + 0.35]], dtype=torch.float64)  # ties: ½
+    torch.testing.assert_close(I.calibrate_exact(ref, r), want)
+    beta = I.beta_for_kl(ref, r, 0.1)
+    q = I.tilt_logp(ref, r, beta)
+    assert float((q.exp() * (q - ref.double())).sum()) == pytest.approx(0.1, abs=1e-6)
+    f = I.rescaled(I.exp_bon(5.0))
+    ends = f(torch.tensor([0.0, 1.0], dtype=torch.float64))
+    assert ends.tolist() == [0.0, 1.0]
+
+
+def test_exact_rlhf_training_reaches_the_closed_form():
+    from lab.models import tiny_llama
+
+    torch.manual_seed(0)
+    seqs, prompts = X.all_sequences(3, 2), torch.tensor([3])
+    m = tiny_llama(vocab_size=4, d_model=16, n_layers=1, n_heads=2, max_len=3)
+    with torch.no_grad():
+        ref = X.seq_logprobs(m, prompts, seqs, 3)
+    R = torch.linspace(0, 1, 9)[None]
+    got = X.train_rlhf(m, prompts, seqs, ref, R, 0.5, 3, steps=300, lr=1e-2)
+    torch.testing.assert_close(got.exp(), I.tilt_logp(ref, R.double(), 0.5).exp().float(), atol=0.02, rtol=0)
