@@ -1,0 +1,77 @@
+"""A compact preference trainer for tiny causal LMs: policy + frozen reference, masked sequence
+log-probs, any loss of the `lab.align.LOSSES` registry. Shared by EXPO, HPS, cDPO and RIP.
+
+A batch holds n responses per example (column 0 chosen, the rest rejected, ranked for listwise
+losses), each already concatenated with its prompt and right-padded:
+
+    input_ids, attention_mask, response_mask: (B, n, T)    [rewards: (B, n), for HPS's sampler]
+
+`response_mask` marks the tokens whose log-probs form log π(y|x) (the response, not the prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from lab.core import progress
+
+
+def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """log p(x_t | x_<t) for t ≥ 1 and the full next-token log-distributions: (N, T−1), (N, T−1, V)."""
+    logp = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float().log_softmax(-1)
+    return logp.gather(-1, input_ids[:, 1:, None])[..., 0], logp
+
+
+def sequence_logprobs(model, batch: dict[str, Tensor], *, with_dists: bool = False):
+    """Σ over response tokens of log π(y_t | x, y_<t) for every response: (B, n) (and the per-token
+    distributions (B·n, T−1, V) when `with_dists`)."""
+    B, n, T = batch["input_ids"].shape
+    flat = {k: batch[k].reshape(B * n, T) for k in ("input_ids", "attention_mask", "response_mask")}
+    tok, dists = token_logprobs(model, flat["input_ids"], flat["attention_mask"])  # (B·n, T−1)
+    seq = (tok * flat["response_mask"][:, 1:]).sum(-1).reshape(B, n)
+    return (seq, dists) if with_dists else seq
+
+
+def chosen_token_kl(ref_dists: Tensor, dists: Tensor, batch: dict[str, Tensor]) -> Tensor:
+    """Σ_t KL(π_ref(·|prefix) ‖ π_θ(·|prefix)) over the chosen response's tokens: (B,). The
+    token-level estimate of EXPO's regularizer along dataset responses."""
+    B, n, T = batch["input_ids"].shape
+    kl_t = (ref_dists.exp() * (ref_dists - dists)).sum(-1).reshape(B, n, T - 1)[:, 0]  # (B, T−1)
+    return (kl_t * batch["response_mask"][:, 0, 1:]).sum(-1)
+
+
+def preference_loss(policy, reference, batch: dict[str, Tensor], loss: str, **options) -> Tensor:
+    """Mean registry loss of one batch; the reference runs without gradients."""
+    from lab.align import LOSSES
+
+    pi, dists = sequence_logprobs(policy, batch, with_dists=True)
+    with torch.no_grad():
+        ref, ref_dists = sequence_logprobs(reference, batch, with_dists=True)
+    if loss == "expo":
+        options = {**options, "kl": chosen_token_kl(ref_dists, dists, batch)}
+    if loss == "hps":
+        options = {**options, "r": batch["rewards"]}
+    return LOSSES[loss](pi, ref, **options).mean()
+
+
+def train_preferences(policy, reference, batches: Callable[[torch.Generator], dict[str, Tensor]], loss: str, *,
+                      steps: int, lr: float, seed: int = 0, grad_clip: float = 1.0, quiet: bool | None = None,
+                      **options) -> list[float]:
+    """Adam on `policy` for `steps` batches drawn as `batches(generator)`; returns the per-step loss."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(policy.parameters(), lr=lr)
+    reference.eval()
+    policy.train()
+    losses = []
+    for _ in progress(range(steps), quiet=quiet, desc=loss):
+        value = preference_loss(policy, reference, batches(gen), loss, **options)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(value.item())
+    policy.eval()
+    return losses

@@ -1,0 +1,69 @@
+import copy
+
+import pytest
+import torch
+
+from lab.align.train import chosen_token_kl, preference_loss, sequence_logprobs, train_preferences
+from lab.models import tiny_llama
+
+V = 8
+
+
+def batch_of(pairs):
+    """pairs: list of (prompt, chosen, rejected) token lists, equal lengths within a pair."""
+    B, T = len(pairs), max(len(p) + max(len(c), len(r)) for p, c, r in pairs)
+    ids = torch.zeros(B, 2, T, dtype=torch.long)
+    att = torch.zeros(B, 2, T, dtype=torch.long)
+    resp = torch.zeros(B, 2, T)
+    for b, (p, c, r) in enumerate(pairs):
+        for k, y in enumerate((c, r)):
+            seq = p + y
+            ids[b, k, :len(seq)] = torch.tensor(seq)
+            att[b, k, :len(seq)] = 1
+            resp[b, k, len(p):len(seq)] = 1
+    return {"input_ids": ids, "attention_mask": att, "response_mask": resp}
+
+
+PAIRS = [([1, 2], [3, 4], [5, 6]), ([2], [3, 3, 4], [6, 5])]
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return tiny_llama(vocab_size=V, d_model=16, n_layers=1, n_heads=2, max_len=8).eval()
+
+
+def test_sequence_logprobs_match_a_naive_loop():
+    m, batch = model(), batch_of(PAIRS)
+    got = sequence_logprobs(m, batch)
+    with torch.no_grad():
+        for b, (p, c, r) in enumerate(PAIRS):
+            for k, y in enumerate((c, r)):
+                logp = m(input_ids=torch.tensor([p + y])).logits[0].log_softmax(-1)
+                want = sum(logp[len(p) + t - 1, y[t]] for t in range(len(y)))
+                assert float(got[b, k]) == pytest.approx(float(want), abs=1e-5)
+
+
+def test_dpo_at_the_reference_and_training_raises_the_margin():
+    policy, batch = model(), batch_of(PAIRS)
+    reference = copy.deepcopy(policy)
+    assert preference_loss(policy, reference, batch, "dpo", beta=0.5).item() == pytest.approx(0.6931, abs=1e-4)
+    ref_state = {k: v.clone() for k, v in reference.state_dict().items()}
+    losses = train_preferences(policy, reference, lambda g: batch, "dpo", steps=40, lr=1e-2, beta=0.5, quiet=True)
+    assert losses[-1] < 0.5 * losses[0]
+    with torch.no_grad():
+        margin = sequence_logprobs(policy, batch) - sequence_logprobs(reference, batch)
+    assert (margin[:, 0] > margin[:, 1]).all()
+    assert all(torch.equal(v, ref_state[k]) for k, v in reference.state_dict().items())  # frozen
+
+
+def test_expo_uses_a_token_level_kl_that_vanishes_at_the_reference():
+    policy, batch = model(), batch_of(PAIRS)
+    reference = copy.deepcopy(policy)
+    _, d = sequence_logprobs(policy, batch, with_dists=True)
+    assert torch.allclose(chosen_token_kl(d, d, batch), torch.zeros(2))
+    s = sequence_logprobs(policy, batch).detach()
+    want = torch.nn.functional.softplus(-(s[:, 0] - s[:, 1])).mean()  # KL term is 0 at the reference
+    assert preference_loss(policy, reference, batch, "expo", lam=3.0).item() == pytest.approx(float(want), abs=1e-5)
+    train_preferences(policy, reference, lambda g: batch, "expo", steps=5, lr=1e-2, lam=3.0, quiet=True)
+    _, d2 = sequence_logprobs(policy, batch, with_dists=True)
+    assert (chosen_token_kl(d, d2, batch) > 0).all()
