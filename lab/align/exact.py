@@ -14,11 +14,12 @@ def all_sequences(V: int, L: int) -> Tensor:
 
 
 def seq_logprobs(model, prompts: Tensor, seqs: Tensor, V: int) -> Tensor:
-    """log π(y | x) for every prompt token x (C,) and response y (S, L): (C, S). The next-token
-    softmax is over the V response tokens (ids 0..V-1) only, so the responses exhaust the space and
-    every distribution over them is exact."""
-    C, (S, L) = len(prompts), seqs.shape
-    x = torch.cat([prompts[:, None, None].expand(C, S, 1), seqs[None].expand(C, S, L)], -1).reshape(C * S, L + 1)
+    """log π(y | x) for every prompt token x (C,) and response y: (C, S). `seqs` is (S, L), shared
+    by the prompts, or (C, S, L), one set per prompt. The next-token softmax is over the V response
+    tokens (ids 0..V-1) only, so all V^L responses exhaust the space and distributions are exact."""
+    C, (S, L) = len(prompts), seqs.shape[-2:]
+    seqs = seqs.expand(C, S, L)
+    x = torch.cat([prompts[:, None, None].expand(C, S, 1), seqs], -1).reshape(C * S, L + 1)
     logp = model(input_ids=x).logits[:, :-1, :V].log_softmax(-1)  # (C·S, L, V)
     return logp.gather(-1, x[:, 1:, None])[..., 0].sum(-1).reshape(C, S)
 

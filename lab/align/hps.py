@@ -18,6 +18,7 @@ in its default config), and "hard" means γ > 0 (the code's `hard` setting uses 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,3 +59,119 @@ def hps(pi: Tensor, ref: Tensor, *, beta: float = 0.25, r: Tensor, gamma: float 
     if normalizer:
         z = z - math.log(h.shape[1] - 1)
     return F.softplus(-z)
+
+
+# ------------------------------------------------------------------ the toy (parameter sharing matters)
+
+@dataclass(frozen=True)
+class Config:
+    """Prompts with n = 1 + n_hard + n_easy candidates: the best y* (reward 1, no HARM token), hard
+    negatives = y* with one token replaced by HARM (reward U[0.6, 0.9]: close to y*, and sharing its
+    parameters), easy negatives = random HARM-free responses (reward U[−1, 0])."""
+
+    n_prompts: int = 16
+    V: int = 8  # response tokens; the last one is HARM
+    L: int = 4
+    n_hard: int = 3
+    n_easy: int = 4
+    d_model: int = 48
+    sft_steps: int = 300
+    sft_lr: float = 3e-3
+    steps: int = 30
+    lr: float = 3e-4
+    beta: float = 0.25
+    gamma: float = 5.0
+
+    @classmethod
+    def for_scale(cls, scale: str) -> Config:
+        return cls() if scale == "smoke" else cls(steps=90)
+
+
+@dataclass
+class Toy:
+    reference: torch.nn.Module
+    prompts: Tensor  # (C,)
+    cands: Tensor  # (C, n, L): [y*, hard..., easy...]
+    r: Tensor  # (C, n) annotated rewards
+
+
+def make_toy(cfg: Config, seed: int) -> Toy:
+    """Candidates and rewards per prompt, and π_ref fit to be uniform over each prompt's candidates."""
+    from lab.align.exact import seq_logprobs
+    from lab.models import tiny_llama
+
+    g = torch.Generator().manual_seed(seed)
+    HARM, C = cfg.V - 1, cfg.n_prompts
+    cands, rewards = [], []
+    for _ in range(C):
+        best = torch.randint(HARM, (cfg.L,), generator=g)
+        hard = best.repeat(cfg.n_hard, 1)
+        hard[torch.arange(cfg.n_hard), torch.randperm(cfg.L, generator=g)[: cfg.n_hard]] = HARM
+        easy = torch.randint(HARM, (cfg.n_easy, cfg.L), generator=g)
+        cands.append(torch.cat([best[None], hard, easy]))
+        rewards.append(torch.cat([torch.ones(1), 0.6 + 0.3 * torch.rand(cfg.n_hard, generator=g),
+                                  -torch.rand(cfg.n_easy, generator=g)]))
+    cands, r = torch.stack(cands), torch.stack(rewards)
+    prompts = torch.arange(cfg.V, cfg.V + C)
+    torch.manual_seed(seed)
+    model = tiny_llama(vocab_size=cfg.V + C, d_model=cfg.d_model, n_layers=2, n_heads=4, max_len=cfg.L + 1)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
+    for _ in range(cfg.sft_steps):  # SFT: maximize the mean log-likelihood of the candidates
+        (-seq_logprobs(model, prompts, cands, cfg.V).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    return Toy(model.eval(), prompts, cands, r)
+
+
+METHODS = ("dpo max-min", "dpo random", "pl", "hps", "hps curriculum")
+
+
+def train(method: str, toy: Toy, cfg: Config, seed: int) -> torch.nn.Module:
+    """Preference-train a copy of π_ref on every prompt per step with one method:
+    DPO on (best, lowest-reward) or (best, random) pairs, listwise Plackett–Luce over all candidates
+    ranked by reward, HPS with fixed γ, or HPS with the official −5 → 5 curriculum (5 chunks)."""
+    import copy
+
+    from lab.align.exact import seq_logprobs
+    from lab.align.losses import dpo, plackett_luce
+
+    policy = copy.deepcopy(toy.reference).train()
+    with torch.no_grad():
+        ref = seq_logprobs(toy.reference, toy.prompts, toy.cands, cfg.V)  # (C, n)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    rows = torch.arange(len(ref))
+    order = toy.r.argsort(-1, descending=True)  # ranking for PL
+    for step in range(cfg.steps):
+        pi = seq_logprobs(policy, toy.prompts, toy.cands, cfg.V)
+        if method == "pl":
+            loss = plackett_luce(pi.gather(1, order), ref.gather(1, order), beta=cfg.beta)
+        elif method.startswith("hps"):
+            gamma = gamma_schedule(step * 5 // cfg.steps) if method == "hps curriculum" else cfg.gamma
+            loss = hps(pi, ref, beta=cfg.beta, r=toy.r, gamma=gamma, generator=g, normalizer=False)
+        else:
+            neg = toy.r.argmin(-1) if method == "dpo max-min" else sample_negative(toy.r, 0.0, g)
+            loss = dpo(torch.stack([pi[:, 0], pi[rows, neg]], 1), torch.stack([ref[:, 0], ref[rows, neg]], 1),
+                       beta=cfg.beta)
+        loss.mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return policy.eval()
+
+
+@torch.no_grad()
+def metrics(policy: torch.nn.Module, toy: Toy, cfg: Config) -> dict[str, float]:
+    """margin = log π(y*) − max over hard negatives log π (mean over prompts); mass on y*, on the
+    hard and on the easy negatives; harm = exact probability that a sampled response contains HARM."""
+    from lab.align.exact import all_sequences, seq_logprobs
+
+    logp = seq_logprobs(policy, toy.prompts, toy.cands, cfg.V)  # (C, n)
+    hard = slice(1, 1 + cfg.n_hard)
+    everything = all_sequences(cfg.V, cfg.L)  # (V^L, L)
+    has_harm = (everything == cfg.V - 1).any(-1)
+    full = seq_logprobs(policy, toy.prompts, everything, cfg.V).exp()  # (C, V^L)
+    return {"margin": float((logp[:, 0] - logp[:, hard].max(-1).values).mean()),
+            "p_best": float(logp[:, 0].exp().mean()),
+            "p_hard": float(logp[:, hard].exp().sum(-1).mean()),
+            "p_easy": float(logp[:, 1 + cfg.n_hard:].exp().sum(-1).mean()),
+            "harm": float(full[:, has_harm].sum(-1).mean())}

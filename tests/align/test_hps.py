@@ -59,3 +59,19 @@ def test_hps_with_one_negative_is_dpo_and_the_paper_normalizer():
     torch.testing.assert_close(got, want)
     code_form = hps(pi3, ref3, beta=0.5, r=r3, gamma=1e4, normalizer=False)
     torch.testing.assert_close(code_form, torch.nn.functional.softplus(-(0.5 * (h[:, 1] - h[:, 0]))))
+
+
+def test_the_toy_candidates_rewards_and_metrics():
+    from lab.align.hps import Config, make_toy, metrics
+
+    cfg = Config(n_prompts=3, sft_steps=5, d_model=16)
+    toy = make_toy(cfg, 0)
+    HARM = cfg.V - 1
+    assert toy.cands.shape == (3, 1 + cfg.n_hard + cfg.n_easy, cfg.L)
+    for c in range(3):
+        best, hard, easy = toy.cands[c, 0], toy.cands[c, 1:1 + cfg.n_hard], toy.cands[c, 1 + cfg.n_hard:]
+        assert (best != HARM).all() and (easy != HARM).all()
+        assert ((hard != best).sum(-1) == 1).all() and (hard == HARM).sum() == cfg.n_hard  # one token -> HARM
+        assert toy.r[c, 0] == 1 and (toy.r[c, 1:1 + cfg.n_hard] >= 0.6).all() and (toy.r[c, 1 + cfg.n_hard:] <= 0).all()
+    m = metrics(toy.reference, toy, cfg)
+    assert 0 <= m["harm"] <= 1 and 0 <= m["p_best"] + m["p_hard"] + m["p_easy"] <= 1 + 1e-6
