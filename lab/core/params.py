@@ -40,6 +40,11 @@ class Params:
     def tiny(self) -> bool:
         return self.model == TINY
 
+    def require_tiny(self, what: str) -> None:
+        """Refuse a pretrained `model` in a notebook whose pretrained path is not built yet."""
+        if not self.tiny:
+            raise ParamError(f"model={self.model!r} is not supported here yet: {what}; use model='tiny'.")
+
 
 def _looks_like_path(model: str) -> bool:
     # hub ids are `name` or `org/name`; anything else path-shaped is a local folder

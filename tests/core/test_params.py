@@ -43,3 +43,9 @@ def test_models_tiny_folder_or_hub_id(tmp_path):
     (tmp_path / "file.bin").write_text("x")
     with pytest.raises(ParamError, match="not a folder"):
         validate(model=str(tmp_path / "file.bin"))
+
+
+def test_require_tiny_names_the_model_and_the_way_out(tmp_path):
+    validate().require_tiny("x")  # tiny passes
+    with pytest.raises(ParamError, match=r"model='gpt2' is not supported here yet: the LM path is not built; use"):
+        validate(model="gpt2").require_tiny("the LM path is not built")
