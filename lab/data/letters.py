@@ -42,14 +42,19 @@ class LetterRetrieval:
     n_fillers: int = 8
     cloze_frac: float = 0.2  # fraction of training batches that are cloze prompts
     map_seed: int = 0  # seed of the knowledge map f (part of the task, not of the run)
+    n_labels: int = 0  # > n_options: each prompt labels its options with a random ordered draw of
+    #                    n_options of these letters, so an option's position never gives its letter
 
     def __post_init__(self):
         if not 2 <= self.n_options <= 26 or self.n_contents < self.n_options:
             raise ValueError("need 2..26 options and at least as many contents as options.")
+        if self.n_labels and not self.n_options <= self.n_labels <= 26:
+            raise ValueError("n_labels must be 0 (fixed A, B, ...) or between n_options and 26.")
 
     @property
     def letters(self) -> list[str]:
-        return [chr(ord("A") + i) for i in range(self.n_options)]
+        """Every answer letter (the scored choices): n_labels of them if set, else n_options."""
+        return [chr(ord("A") + i) for i in range(self.n_labels or self.n_options)]
 
     @property
     def contents(self) -> list[str]:
@@ -81,8 +86,14 @@ class LetterRetrieval:
         return self.tokenizer.convert_tokens_to_ids(words)
 
     def letter_rows(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids (n, T) of letter prompts, the index of the correct letter in `letters` (n,) and
+        the token index of the correct option's delimiter (n,); T = 2 + O·(3 + max_filler)."""
+        rows, answer, label, delim = self._letter_rows(n, generator)
+        return rows, label[torch.arange(n), answer], delim
+
+    def _letter_rows(self, n: int, generator: torch.Generator):
         """Token ids (n, T) of letter prompts, the correct option (n,) and the token index of its
-        delimiter (n,); T = 2 + O·(3 + max_filler)."""
+        delimiter (n,), with each option's label (n, O): an index into `letters`."""
         O, C = self.n_options, self.n_contents
         q = torch.randint(self.n_questions, (n,), generator=generator)  # (n,)
         answer = torch.randint(O, (n,), generator=generator)  # (n,)
@@ -93,16 +104,27 @@ class LetterRetrieval:
         content[torch.arange(n), answer] = fq
         n_fill = torch.randint(self.max_filler + 1, (n, O), generator=generator)  # (n, O)
         fill = torch.randint(self.n_fillers, (n, O, self.max_filler), generator=generator)
-        rows, delim_pos = [], []
-        for r in range(n):
-            words = ["<bos>"] + [PAD] * int(O * self.max_filler - n_fill[r].sum())
-            for o in range(O):
-                words += [self.letters[o], self.contents[content[r, o]]]
-                words += [self.fillers[f] for f in fill[r, o, : n_fill[r, o]]] + [DELIM]
-                if o == answer[r]:
-                    delim_pos.append(len(words) - 1)
-            rows.append(self.ids(words + [self.questions[q[r]]]))
-        return torch.tensor(rows), answer, torch.tensor(delim_pos)
+        if self.n_labels:
+            label = torch.rand(n, self.n_labels, generator=generator).argsort(-1)[:, :O]  # (n, O)
+        else:
+            label = torch.arange(O).expand(n, O)
+        # layout, vectorised: <bos> PAD*pad (label content filler*n_fill ⏎)*O q
+        ids = lambda words: torch.tensor(self.ids(words))
+        length = 3 + n_fill  # (n, O)
+        T = 2 + O * (3 + self.max_filler)
+        start = (T - 1 - length.sum(1, keepdim=True)) + length.cumsum(1) - length  # (n, O) label positions
+        rows = torch.full((n, T), self.ids([PAD])[0])
+        r = torch.arange(n)[:, None].expand(n, O)
+        rows[:, 0] = self.ids(["<bos>"])[0]
+        rows[r, start] = ids(self.letters)[label]
+        rows[r, start + 1] = ids(self.contents)[content]
+        k = torch.arange(self.max_filler)  # filler slots
+        used = k[None, None, :] < n_fill[:, :, None]  # (n, O, max_filler)
+        rows[r[..., None].expand_as(used)[used], (start[..., None] + 2 + k)[used]] = ids(self.fillers)[fill[used]]
+        rows[r, start + 2 + n_fill] = ids([DELIM])[0]
+        rows[:, -1] = ids(self.questions)[q]
+        delim_pos = (start + 2 + n_fill)[torch.arange(n), answer]
+        return rows, answer, label, delim_pos
 
     def cloze_rows(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids (n, 3) of cloze prompts `<bos> ? q` and the content index f(q) (n,)."""

@@ -20,7 +20,7 @@ SSM heads: a Mamba-2 value head (H heads of d_head), a Mamba-1 inner channel (d_
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -227,13 +227,13 @@ def attention(model: nn.Module, input_ids: torch.Tensor, layer: int) -> torch.Te
     return hidden_attention(model, input_ids, layer)
 
 
-def sharpness(row: torch.Tensor, target: int) -> tuple[float, float]:
-    """An aggregate row's focus: mass on the target position |a_t| / Σ_j |a_j| and the entropy
+def sharpness(row: torch.Tensor, target: int | Sequence[int]) -> tuple[float, float]:
+    """An aggregate row's focus: mass on the target position(s) Σ_t |a_t| / Σ_j |a_j| and the entropy
     (nats) of |a| normalised. |·| because SSM matrices can be negative and do not sum to 1."""
     p = row.abs().float()
     p = p / p.sum()
     entropy = -(p * p.clamp_min(1e-12).log()).sum().item()
-    return p[target].item(), entropy
+    return p[torch.as_tensor(target)].sum().item(), entropy
 
 
 def max_entropy(T: int) -> float:
@@ -242,24 +242,40 @@ def max_entropy(T: int) -> float:
 
 # ------------------------------------------------------------------------- toy training prior
 
+def head_norms(model: nn.Module, layer: int) -> torch.Tensor:
+    """||W_out[:, h, :]||_F of every head of a layer: (H,). Zero means the head is switched off."""
+    W = out_proj(model, layer).weight  # (d_model, H·d_head)
+    H, d_head = head_shape(model, layer)
+    return W.view(W.shape[0], H, d_head).pow(2).sum((0, 2)).sqrt()
+
+
 @dataclass(frozen=True)
 class HeadLasso:
-    """Group-lasso prior on heads: λ Σ_layers Σ_h ||W_out[:, h, :]||_F (a training-time penalty).
+    """Group-lasso prior on heads, λ Σ_layers Σ_h ||W_out[:, h, :]||_F, applied by its proximal
+    operator after each optimizer step from step `start` on: W_h ← W_h · max(0, 1 − lr·λ / ||W_h||).
 
     Not part of the paper. Pretrained LLMs concentrate G&A in a few heads because heads are scarce
     across many skills; a toy trained on one task instead spreads retrieval over redundant heads.
-    This prior makes unused heads cheap to switch off, so the toy's circuits become few-head as in
-    the paper; the notebook shows the sweep with and without it."""
+    The proximal step sets unused heads to exactly zero (a smooth penalty only makes them small, and
+    argmax accuracy still reads a small backup head), so the toy's circuits become few-head as in
+    the paper. Under Adam, a step moves each weight by about lr, so λ is in units of that step."""
 
-    lam: float = 1e-3
+    lam: float = 5.0
+    start: int = 0  # let the circuit form before pruning
 
     def __call__(self, model: nn.Module) -> torch.Tensor:
-        total = 0.0
+        """The prior's value (not added to the loss: the proximal step applies it)."""
+        return self.lam * sum(head_norms(model, layer).sum() for layer in range(len(layers(model)))).detach()
+
+    @torch.no_grad()
+    def prox(self, model: nn.Module, lr: float, step: int) -> None:
+        if step < self.start:
+            return
         for layer in range(len(layers(model))):
-            W = out_proj(model, layer).weight  # (d_model, H·d_head)
+            W = out_proj(model, layer).weight
             H, d_head = head_shape(model, layer)
-            total = total + W.view(W.shape[0], H, d_head).pow(2).sum((0, 2)).add(1e-12).sqrt().sum()
-        return self.lam * total
+            shrink = (1 - lr * self.lam / head_norms(model, layer).clamp_min(1e-12)).clamp_min(0)  # (H,)
+            W.view(W.shape[0], H, d_head).mul_(shrink[None, :, None])
 
 
 # ------------------------------------------------------------------------------------- scoring

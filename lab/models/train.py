@@ -103,7 +103,8 @@ def train(model: torch.nn.Module, task: Task, cfg: TrainConfig, *, penalty: Call
     """Train `model` in place on batches from `task`; returns the loss of every step.
 
     `penalty(model) -> scalar` is added to the loss (e.g. a sparsity prior); the recorded losses
-    are the task loss alone."""
+    are the task loss alone. A penalty with a `prox(model, lr, step)` method also gets a proximal
+    step after every optimizer step (for non-smooth priors that should reach exact zeros)."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -117,6 +118,8 @@ def train(model: torch.nn.Module, task: Task, cfg: TrainConfig, *, penalty: Call
         (loss + penalty(model) if penalty is not None else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
+        if hasattr(penalty, "prox"):
+            penalty.prox(model, sched.get_last_lr()[0], step)
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -20,7 +20,9 @@ def naive_letter(words: list[str], f: dict[str, str]) -> str:
     return hits[0]
 
 
-def test_letter_prompts_have_one_correct_option_and_a_fixed_length():
+@pytest.mark.parametrize("task", [TASK, LetterRetrieval(n_labels=8), LetterRetrieval(max_filler=0, n_labels=6)])
+def test_letter_prompts_have_one_correct_option_and_a_fixed_length(task):
+    TASK = task
     f = {q: TASK.contents[i] for q, i in zip(TASK.questions, TASK.knowledge.tolist())}
     ex = TASK.examples(200, torch.Generator().manual_seed(0))
     lengths = {len(e["prompt"].split()) for e in ex}
@@ -31,9 +33,18 @@ def test_letter_prompts_have_one_correct_option_and_a_fixed_length():
         assert words[e["delim_pos"]] == DELIM and words[e["delim_pos"] - 1] != DELIM
         seg_start = max(i for i in range(e["delim_pos"]) if words[i] in TASK.letters)
         assert words[seg_start] == e["answer"]
-    # option lengths really vary (no positional shortcut) and every letter is an answer
+        labels = [w for w in words if w in TASK.letters]
+        assert len(labels) == len(set(labels)) == TASK.n_options
+        if not TASK.n_labels:
+            assert labels == TASK.letters
+    # options move (with filler) or letters are shuffled: no positional shortcut; every letter is an answer
     assert len({e["delim_pos"] for e in ex if e["answer"] == "B"}) > 2
     assert {e["answer"] for e in ex} == set(TASK.letters)
+
+
+def test_bad_label_count():
+    with pytest.raises(ValueError, match="n_labels"):
+        LetterRetrieval(n_labels=3)
 
 
 def test_cloze_and_batches():

@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -130,12 +131,30 @@ def test_sharpness_by_hand():
     assert mass == 1.0 and ent == pytest.approx(0.0, abs=1e-6)
     mass, ent = ga.sharpness(torch.tensor([0.5, -0.5, 0.5, 0.5]), 1)  # |.|: SSM rows can be negative
     assert mass == pytest.approx(0.25) and ent == pytest.approx(math.log(4))
+    mass, _ = ga.sharpness(torch.tensor([0.1, 0.2, 0.3, 0.4]), [2, 3])  # a segment of positions
+    assert mass == pytest.approx(0.7)
 
 
 def test_head_lasso_is_a_sum_of_head_norms():
     m = MODELS["llama"]
     want = sum(ga.out_proj(m, l).weight.view(32, 4, 8)[:, h].norm() for l in (0, 1) for h in range(4))
     torch.testing.assert_close(ga.HeadLasso(0.5)(m), 0.5 * want)
+
+
+def test_head_lasso_prox_is_group_soft_thresholding():
+    m = copy.deepcopy(MODELS["llama"])
+    W0 = ga.out_proj(m, 1).weight.detach().clone().view(32, 4, 8)
+    norms = W0.pow(2).sum((0, 2)).sqrt()  # (4,)
+    tau = float(norms.sort().values[1] + norms.sort().values[2]) / 2  # two heads below, two above
+    lasso = ga.HeadLasso(lam=2.0, start=3)
+    lasso.prox(m, tau / 2.0, step=2)  # before `start`: nothing happens
+    assert torch.equal(ga.out_proj(m, 1).weight.view(32, 4, 8), W0)
+    lasso.prox(m, tau / 2.0, step=3)
+    W = ga.out_proj(m, 1).weight.view(32, 4, 8)
+    for h in range(4):  # by hand: zero below the threshold, else shrunk by tau along its direction
+        want = torch.zeros_like(W0[:, h]) if norms[h] <= tau else W0[:, h] * (1 - tau / norms[h])
+        torch.testing.assert_close(W[:, h], want)
+    assert (ga.head_norms(m, 1) == 0).sum() == 2
 
 
 def test_accuracy_shared_and_per_example_choices():
