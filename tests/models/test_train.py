@@ -101,3 +101,20 @@ def test_penalty_joins_the_loss_and_the_cache_key(tmp_path, monkeypatch):
     norm = lambda m: sum(p.pow(2).sum() for p in m.parameters()).item()
     assert norm(shrunk.model) < 0.5 * norm(plain.model)
     assert fit(build, TASK, CFG, penalty=Shrink(1.0), quiet=True).cached
+
+
+def test_a_penalty_with_prox_gets_a_proximal_step_after_every_optimizer_step():
+    calls = []
+
+    class Prox:
+        def __call__(self, model):
+            return torch.zeros(())
+
+        def prox(self, model, lr, step):
+            calls.append((step, lr))
+
+    torch.manual_seed(0)
+    train(build(), TASK, CFG, penalty=Prox(), quiet=True)
+    f = lr_lambda(CFG)
+    assert [s for s, _ in calls] == list(range(CFG.steps))
+    assert [lr for _, lr in calls] == pytest.approx([CFG.lr * f(s) for s in range(CFG.steps)])
