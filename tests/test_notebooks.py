@@ -61,3 +61,30 @@ def test_bad_parameter_is_one_sentence_and_writes_nothing(param, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert param[1] in lines[0] or param[0] in lines[0]
     assert not out.exists()
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(300)
+def test_gather_aggregate_on_a_checkpoint_folder(tmp_path):
+    """model=<folder>: the G&A protocol on category MCQs through `load_model`, the layer pair from the
+    pruning curve, heads from the sweep; measurements recorded, no toy threshold checked."""
+    import torch
+
+    from lab.data.mcq import CategoryMCQ
+    from lab.models import tiny_llama
+    from lab.models.tokenizer import word_tokenizer
+
+    mcq, g = CategoryMCQ(), torch.Generator().manual_seed(0)
+    ex = mcq.examples(200, g, "letter") + mcq.examples(200, g, "cloze")
+    words = sorted({w for e in ex for w in (e["prompt"] + " " + " ".join(e.get("choices") or [])).split()}
+                   | set(mcq.letters))
+    tok = word_tokenizer(words)
+    torch.manual_seed(0)
+    tiny_llama(vocab_size=len(tok), d_model=32, n_layers=3, n_heads=2, max_len=64).save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    proc = run_lab("run", "09_gather_aggregate", "-p", "model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "out" / "09_gather_aggregate.json").read_text())
+    assert rec["status"] == "passed" and rec["claims"] == []
+    heads = rec["metrics"]["heads"]["checkpoint"]
+    assert heads["layers"][1] == heads["layers"][0] + 1 and len(heads["drop"]) == 2 and len(heads["drop"][0]) == 2

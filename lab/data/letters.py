@@ -44,12 +44,16 @@ class LetterRetrieval:
     map_seed: int = 0  # seed of the knowledge map f (part of the task, not of the run)
     n_labels: int = 0  # > n_options: each prompt labels its options with a random ordered draw of
     #                    n_options of these letters, so an option's position never gives its letter
+    min_options: int = 0  # > 0: each training batch has k ~ U{min_options..n_options} options (a
+    #                       retrieval-vs-context-size sweep evaluates one k at a time)
 
     def __post_init__(self):
         if not 2 <= self.n_options <= 26 or self.n_contents < self.n_options:
             raise ValueError("need 2..26 options and at least as many contents as options.")
         if self.n_labels and not self.n_options <= self.n_labels <= 26:
             raise ValueError("n_labels must be 0 (fixed A, B, ...) or between n_options and 26.")
+        if self.min_options and not 2 <= self.min_options <= self.n_options:
+            raise ValueError("min_options must be 0 (always n_options) or between 2 and n_options.")
 
     @property
     def letters(self) -> list[str]:
@@ -85,16 +89,19 @@ class LetterRetrieval:
     def ids(self, words: list[str]) -> list[int]:
         return self.tokenizer.convert_tokens_to_ids(words)
 
-    def letter_rows(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def letter_rows(self, n: int, generator: torch.Generator, n_options: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token ids (n, T) of letter prompts, the index of the correct letter in `letters` (n,) and
         the token index of the correct option's delimiter (n,); T = 2 + O·(3 + max_filler)."""
-        rows, answer, label, delim = self._letter_rows(n, generator)
+        rows, answer, label, delim = self._letter_rows(n, generator, n_options or self.n_options)
         return rows, label[torch.arange(n), answer], delim
 
-    def _letter_rows(self, n: int, generator: torch.Generator):
+    def _letter_rows(self, n: int, generator: torch.Generator, O: int):
         """Token ids (n, T) of letter prompts, the correct option (n,) and the token index of its
         delimiter (n,), with each option's label (n, O): an index into `letters`."""
-        O, C = self.n_options, self.n_contents
+        if not 2 <= O <= self.n_options:
+            raise ValueError(f"n_options={O} is outside 2..{self.n_options}.")
+        C = self.n_contents
         q = torch.randint(self.n_questions, (n,), generator=generator)  # (n,)
         answer = torch.randint(O, (n,), generator=generator)  # (n,)
         # distractor contents: distinct, never f(q) (sample among C-1 and skip over f(q))
@@ -140,7 +147,9 @@ class LetterRetrieval:
             prompt, target = self.cloze_rows(n, generator)
             target = torch.tensor(self.ids(self.contents))[target]
         else:
-            prompt, answer, _ = self.letter_rows(n, generator)
+            k = (int(torch.randint(self.min_options, self.n_options + 1, (), generator=generator))
+                 if self.min_options else self.n_options)
+            prompt, answer, _ = self.letter_rows(n, generator, k)
             target = torch.tensor(self.ids(self.letters))[answer]
         ids = torch.cat([prompt, target[:, None]], 1)
         labels = torch.full_like(ids, IGNORE)
@@ -151,12 +160,14 @@ class LetterRetrieval:
         """The answer set scored for a prompt kind: the letters, or every content (cloze)."""
         return self.letters if kind == "letter" else self.contents
 
-    def examples(self, n: int, generator: torch.Generator, kind: str = "letter") -> list[dict]:
-        """`n` prompts as text with their answer; letter prompts also carry `delim_pos`, the token
-        index of the correct option's delimiter (where an Aggregate head should look)."""
+    def examples(self, n: int, generator: torch.Generator, kind: str = "letter",
+                 n_options: int | None = None) -> list[dict]:
+        """`n` prompts as text with their answer; letter prompts (with `n_options` options, default
+        all) also carry `delim_pos`, the token index of the correct option's delimiter (where an
+        Aggregate head should look)."""
         tok = self.tokenizer
         if kind == "letter":
-            ids, answer, delim = self.letter_rows(n, generator)
+            ids, answer, delim = self.letter_rows(n, generator, n_options)
             return [{"prompt": tok.decode(row), "answer": self.letters[a], "delim_pos": d}
                     for row, a, d in zip(ids.tolist(), answer.tolist(), delim.tolist())]
         if kind == "cloze":

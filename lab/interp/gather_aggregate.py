@@ -28,6 +28,15 @@ import torch
 from torch import nn
 
 Heads = dict[int, Iterable[int]]  # layer -> head indices
+
+# (gather (layer, head), aggregate (layer, head)) reported in the paper / official notebook
+PAPER_HEADS = {"meta-llama/Llama-3.1-8B-Instruct": ((16, 22), (17, 24))}
+
+
+def paper_heads(model_name: str) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The paper's G and A for a hub id, or for a local folder with the same name; None if unknown."""
+    base = model_name.rstrip("/").split("/")[-1].lower()
+    return next((h for k, h in PAPER_HEADS.items() if k.split("/")[-1].lower() == base), None)
 Evaluate = Callable[[], float]  # accuracy of the model in its current (ablated) state
 
 
@@ -135,10 +144,13 @@ def pruning_curve(model: nn.Module, evaluate: dict[str, Callable[[], float]]) ->
     return curve
 
 
-def collapse_layer(curve: list[float], *, chance: float, margin: float = 0.5) -> int:
-    """Index of the last block the retrieval metric needs: the smallest k whose curve clears
-    chance + margin·(max - chance), minus one (the aggregate layer in the paper's protocol)."""
+def collapse_layer(curve: list[float], *, chance: float, margin: float = 0.5) -> int | None:
+    """Index of the last block the retrieval metric needs (the aggregate layer in the paper's
+    protocol): the smallest k whose curve clears chance + margin·(max - chance); None when the
+    curve never rises above chance (nothing to localise)."""
     top = max(curve)
+    if top <= chance:
+        return None
     bar = chance + margin * (top - chance)
     return next(k for k, v in enumerate(curve) if v >= bar)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import plotly.graph_objects as go
 
@@ -17,6 +17,17 @@ def curve(y: Sequence[float], *, title: str, xlabel: str = "step", ylabel: str =
     fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel, height=320, margin=dict(t=50, b=40))
     if log_y:
         fig.update_yaxes(type="log")
+    return fig
+
+
+def lines(x: Sequence, ys: dict[str, Sequence[float]], *, title: str, xlabel: str = "", ylabel: str = "",
+          dash: Callable[[str], bool] | None = None) -> go.Figure:
+    """Several named curves over the same x (`dash(name)` True draws that one dashed)."""
+    fig = go.Figure()
+    for name, y in ys.items():
+        fig.add_scatter(x=list(x), y=list(y), mode="lines+markers", name=name,
+                        line=dict(dash="dash" if dash and dash(name) else "solid"))
+    fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel, height=360, margin=dict(t=50, b=40))
     return fig
 
 

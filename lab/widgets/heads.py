@@ -62,10 +62,13 @@ def attention_figure(maps: dict[tuple[int, int], torch.Tensor], tokens: Sequence
     return fig
 
 
-def drop_figure(drop: torch.Tensor, *, title: str = "accuracy drop when one head is removed") -> go.Figure:
-    """Layer × head heat map of accuracy drops (`gather_aggregate.head_sweep`)."""
+def drop_figure(drop: torch.Tensor, *, layers: Sequence[int] | None = None,
+                title: str = "accuracy drop when one head is removed") -> go.Figure:
+    """Layer × head heat map of accuracy drops (`gather_aggregate.head_sweep`); `layers` names the
+    rows (default 0..L-1)."""
     L, H = drop.shape
-    fig = go.Figure(go.Heatmap(z=drop.tolist(), x=[f"H{h}" for h in range(H)], y=[f"L{l}" for l in range(L)],
+    layers = list(range(L)) if layers is None else list(layers)
+    fig = go.Figure(go.Heatmap(z=drop.tolist(), x=[f"H{h}" for h in range(H)], y=[f"L{l}" for l in layers],
                                colorscale="Reds", zmin=0, zmax=max(0.05, float(drop.max())),
                                texttemplate="%{z:.2f}" if H <= 16 else None,
                                hovertemplate="layer %{y}, head %{x}: drop %{z:.3f}<extra></extra>"))
@@ -75,12 +78,13 @@ def drop_figure(drop: torch.Tensor, *, title: str = "accuracy drop when one head
 
 
 def head_explorer(models: dict[str, tuple[torch.nn.Module, object]], prompts: Sequence[str], evaluate: Evaluate,
-                  *, drops: dict[str, torch.Tensor] | None = None):
+                  *, drops: dict[str, torch.Tensor | tuple[torch.Tensor, Sequence[int]]] | None = None):
     """Live panel over `models` ({name: (model, tokenizer)}) and `prompts`.
 
     Controls: model, layer, head, prompt, and an "ablate" toggle that removes the selected head
     (zeroing its output-projection columns, restored when toggled off) and reports `evaluate`'s
-    accuracy with and without it. `drops` ({name: (L, H) accuracy drops}) adds the layer × head map.
+    accuracy with and without it. `drops` ({name: (L, H) accuracy drops, or (drops, layer indices)})
+    adds the layer × head map.
     Test hooks: `.figure` (the current attention figure), `.readout` (HTML), `.drop_fig`, `.accuracy`
     (the last `(name, layer, head, ablated)` -> accuracy results) and the controls by name.
     """
@@ -113,7 +117,9 @@ def head_explorer(models: dict[str, tuple[torch.nn.Module, object]], prompts: Se
         layer.max = len(ga.layers(model)) - 1
         head.max = ga.head_shape(model, layer.value)[0] - 1
         if drops and name.value in drops:
-            box.drop_fig = drop_figure(drops[name.value], title=f"{name.value}: accuracy drop per removed head")
+            d = drops[name.value]
+            drop, rows = d if isinstance(d, tuple) else (d, None)
+            box.drop_fig = drop_figure(drop, layers=rows, title=f"{name.value}: accuracy drop per removed head")
             show_in(out_drop, box.drop_fig)
 
     def update(_=None):

@@ -112,6 +112,7 @@ def test_sweep_four_configurations_and_collapse_on_a_scripted_model():
     table = ga.four_configurations(m, (0, 2), (1, 1), acc)
     assert table == {"gather + aggregate": 1.0, "only aggregate": 0.25, "only gather": 0.25, "none": 0.25}
     assert ga.collapse_layer([0.25, 0.26, 0.9, 0.95], chance=0.25) == 2
+    assert ga.collapse_layer([0.2, 0.25, 0.22], chance=0.25) is None  # no retrieval anywhere
     curve = ga.pruning_curve(m, {"n_blocks": lambda: float(sum(not isinstance(b, ga._Skip) for b in ga.layers(m)))})
     assert curve == {"n_blocks": [1.0, 2.0]}
 
@@ -186,3 +187,10 @@ def test_discover_on_a_scripted_model():
     assert d.other_max == pytest.approx(0.05)
     assert d.table["gather + aggregate"] == pytest.approx(0.95) and d.table["none"] == pytest.approx(0.2)
     assert ga.discover(m, letter, cloze, (0, 1), heads=((0, 1), (1, 1))).gather == (0, 1)
+
+
+def test_paper_heads_by_hub_id_or_folder_name():
+    want = ((16, 22), (17, 24))
+    assert ga.paper_heads("meta-llama/Llama-3.1-8B-Instruct") == want
+    assert ga.paper_heads("/models/llama-3.1-8b-instruct/") == want
+    assert ga.paper_heads("/tmp/some-tiny-model") is None
