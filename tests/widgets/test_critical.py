@@ -1,0 +1,58 @@
+import torch
+
+from lab.align.cdpo import ce_scores
+from lab.data.arith import TrickyArithmetic
+from lab.models import tiny_llama
+from lab.widgets.critical import critical_explorer, critical_figure
+
+TASK = TrickyArithmetic()
+
+
+def models():
+    torch.manual_seed(0)
+    V = len(TASK.tokenizer)
+    return [tiny_llama(vocab_size=V, d_model=16, n_layers=1, n_heads=2, max_len=16).eval() for _ in range(2)]
+
+
+def test_explorer_rescores_marks_and_reports_pass_at_k():
+    pos, neg = models()
+    q = TASK.questions(3, torch.Generator().manual_seed(0))
+    y = TASK.trace(q, -TASK.op_sign[q["kw"]])  # wrong operations: rejected trajectories
+    c = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0, 0.0]])
+    calls = []
+
+    def pass_k(i, t):
+        calls.append((i, t))
+        return {1: 0.0, 8: 0.0}, {1: 0.5, 8: 1.0}
+
+    box = critical_explorer(pos, neg, TASK.tokenizer, q["prompt"], y, rollouts=c, critical=torch.tensor([0, 2, 1]),
+                            pass_k=pass_k)
+    ctl = box.controls
+    want = ce_scores(pos, neg, q["prompt"][:1], y[:1], beta=1.0)[0]
+    torch.testing.assert_close(torch.tensor(box.figure.data[0].z[0]), 1 - want)
+    assert list(box.figure.data[1].y) == c[0].tolist()
+    assert box.figure.layout.shapes[0].x0 == -0.5  # the critical token (0) is boxed
+    assert "@8 0.00 / <b>1.00</b>" in box.readout.value
+    ctl["beta"].value = 3.0
+    torch.testing.assert_close(box.scores, ce_scores(pos, neg, q["prompt"][:1], y[:1], beta=3.0)[0])
+    ctl["trajectory"].value = 1
+    assert box.figure.layout.shapes[0].x0 == 1.5 and list(box.figure.data[1].y) == c[1].tolist()
+    ctl["position"].value = 3
+    tok = TASK.tokenizer.convert_ids_to_tokens([int(y[1, 3])])[0]
+    assert f"position 3 <b>{tok}</b>" in box.readout.value
+    ctl["position"].value = 0
+    ctl["position"].value = 3  # cached: not recomputed
+    assert calls.count((1, 3)) == 1
+
+
+def test_precomputed_view():
+    items = [{"label": "a", "tokens": ["+", "3"], "s": torch.tensor([0.1, 0.9]), "c": torch.tensor([0.0, 0.0]),
+              "critical": 0},
+             {"label": "b", "tokens": ["-", "4"], "s": torch.tensor([0.5, 0.5]), "c": None, "critical": None}]
+    fig = critical_figure(items)
+    assert len(fig.data) == 3 and [t.visible for t in fig.data] == [True, True, False]
+    torch.testing.assert_close(torch.tensor(fig.data[0].z[0]), torch.tensor([0.9, 0.1]))
+    buttons = fig.layout.updatemenus[0].buttons
+    assert [b.args[0]["visible"] for b in buttons] == [[True, True, False], [False, False, True]]
+    assert buttons[0].args[1]["shapes"][0]["x0"] == -0.5 and buttons[1].args[1]["shapes"] == []
+    assert fig.layout.shapes[0].x0 == -0.5
