@@ -26,7 +26,6 @@ responses, so no padding enters the position-wise mean; grading by the final dig
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -35,36 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lab.align.train import response_logps, train_pairs
 from lab.core import progress
+from lab.models.sample import sample, sample_responses  # noqa: F401 (re-exported for notebooks)
 
 Grade = Callable[[Tensor, Tensor], Tensor]  # (question rows (m,), responses (m, k, L)) -> correct (m, k) bool
-
-
-# ------------------------------------------------------------------------------------------- sampling
-
-@torch.no_grad()
-def sample(model, prefix: Tensor, steps: int, *, generator: torch.Generator, temperature: float = 1.0,
-           ban: Tensor | None = None) -> Tensor:
-    """`steps` tokens after each prefix row (n, P) -> (n, steps). temperature 0 is greedy; `ban` (n,)
-    is a token id excluded at the first sampled position (−1: none), for the replacement test."""
-    x, out = prefix, []
-    for i in range(steps):
-        logits = model(input_ids=x).logits[:, -1].float().cpu()  # (n, V)
-        if i == 0 and ban is not None:
-            rows = (ban >= 0).nonzero()[:, 0]
-            logits[rows, ban[rows]] = -math.inf
-        if temperature == 0:
-            tok = logits.argmax(-1)
-        else:
-            tok = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-        out.append(tok)
-        x = torch.cat([x, tok[:, None].to(x.device)], 1)
-    return torch.stack(out, 1) if out else prefix.new_zeros(len(prefix), 0).cpu()
-
-
-def sample_responses(model, prompts: Tensor, k: int, length: int, **kw) -> Tensor:
-    """k sampled responses per prompt: (n, k, length)."""
-    return sample(model, prompts.repeat_interleave(k, 0), length, **kw).view(len(prompts), k, length)
 
 
 # --------------------------------------------------------------------------- (a) rollout ground truth
@@ -161,13 +135,6 @@ def cdpo_loss(pi_w: Tensor, ref_w: Tensor, pi_l: Tensor, ref_l: Tensor, s: Tenso
     raise ValueError(f"variant={variant!r} is not 'paper' or 'official_positionwise'.")
 
 
-def token_logps(model, prompts: Tensor, responses: Tensor) -> Tensor:
-    """log π(y_t | x, y_<t) for every response token: (n, L)."""
-    P = prompts.shape[1]
-    logits = model(input_ids=torch.cat([prompts, responses], 1)).logits[:, P - 1:-1].float()
-    return logits.log_softmax(-1).gather(-1, responses[..., None])[..., 0]
-
-
 def arm_loss(arm: str, pi_w, ref_w, pi_l, ref_l, s, *, gamma: float) -> Tensor:
     """Mean loss of one batch for an arm: dpo, rpo (NLL weight 1 per token), cdpo, cdpo_positionwise."""
     from lab.align import LOSSES
@@ -190,7 +157,7 @@ def fine_tune(model, prompts: Tensor, responses: Tensor, *, steps: int, lr: floa
     losses = []
     for _ in progress(range(steps), quiet=quiet, desc="sft"):
         i = torch.randint(len(prompts), (batch_size,), generator=g)
-        loss = -token_logps(model, prompts[i], responses[i]).mean()
+        loss = -response_logps(model, prompts[i], responses[i]).mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -199,31 +166,8 @@ def fine_tune(model, prompts: Tensor, responses: Tensor, *, steps: int, lr: floa
     return losses
 
 
-def train_arm(base, pairs: dict[str, Tensor], arm: str, *, steps: int, lr: float, gamma: float, batch_size: int,
-              seed: int = 0, every: int = 10, quiet: bool | None = None) -> tuple[torch.nn.Module, dict]:
-    """Train a copy of `base` (the frozen reference) on pairs {prompt, chosen, rejected, s}; returns the
-    policy and the mean chosen / rejected response log-probs every `every` steps (Fig. 4)."""
-    policy, ref = copy.deepcopy(base).train(), base.eval()
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(policy.parameters(), lr=lr)
-    x, yw, yl, s = pairs["prompt"], pairs["chosen"], pairs["rejected"], pairs["s"]
-    with torch.no_grad():
-        ref_w, ref_l = token_logps(ref, x, yw), token_logps(ref, x, yl)
-    log = {"step": [], "chosen": [], "rejected": [], "loss": []}
-    for step in progress(range(steps + 1), quiet=quiet, desc=arm):
-        if step % every == 0 or step == steps:
-            with torch.no_grad():
-                log["step"].append(step)
-                log["chosen"].append(token_logps(policy, x, yw).sum(-1).mean().item())
-                log["rejected"].append(token_logps(policy, x, yl).sum(-1).mean().item())
-        if step == steps:
-            break
-        i = torch.randint(len(x), (batch_size,), generator=g)
-        loss = arm_loss(arm, token_logps(policy, x[i], yw[i]), ref_w[i], token_logps(policy, x[i], yl[i]), ref_l[i],
-                        s[i], gamma=gamma)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        log["loss"].append(loss.item())
-    return policy.eval(), log
+def train_arm(base, pairs: dict[str, Tensor], arm: str, *, gamma: float, **kw) -> tuple[torch.nn.Module, dict]:
+    """One arm (dpo, rpo, cdpo, cdpo_positionwise) from `base` on pairs {prompt, chosen, rejected, s}
+    (`lab.align.train.train_pairs`: the policy and its chosen / rejected log-likelihood log)."""
+    return train_pairs(base, pairs, lambda b: arm_loss(arm, b["pi_w"], b["ref_w"], b["pi_l"], b["ref_l"], b["s"],
+                                                       gamma=gamma), desc=arm, **kw)

@@ -7,10 +7,14 @@ losses), each already concatenated with its prompt and right-padded:
     input_ids, attention_mask, response_mask: (B, n, T)    [rewards: (B, n), for HPS's sampler]
 
 `response_mask` marks the tokens whose log-probs form log π(y|x) (the response, not the prompt).
+
+`train_pairs` is the per-token variant for fixed-length (prompt, chosen, rejected) tensors, used by
+token-weighted losses (cDPO) and by RIP's DPO arms: the loss sees per-token log-probs.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -75,3 +79,49 @@ def train_preferences(policy, reference, batches: Callable[[torch.Generator], di
         losses.append(value.item())
     policy.eval()
     return losses
+
+
+def response_logps(model, prompts: Tensor, responses: Tensor, mask: Tensor | None = None) -> Tensor:
+    """log π(y_t | x, y_<t) for every response token, zero where `mask` is False: (n, L)."""
+    P = prompts.shape[1]
+    logits = model(input_ids=torch.cat([prompts, responses], 1)).logits[:, P - 1:-1].float()  # t predicts t+1
+    out = logits.log_softmax(-1).gather(-1, responses[..., None])[..., 0]
+    return out if mask is None else out * mask
+
+
+def train_pairs(base, pairs: dict[str, Tensor], loss: Callable[[dict[str, Tensor]], Tensor], *, steps: int, lr: float,
+                batch_size: int, seed: int = 0, every: int = 10, desc: str = "pairs",
+                quiet: bool | None = None) -> tuple[torch.nn.Module, dict]:
+    """Train a copy of `base` (kept frozen as the reference) on `pairs` {prompt (n, P), chosen, rejected
+    (n, L), optional chosen_mask / rejected_mask (n, L), any per-pair extras}. `loss(batch)` gets the
+    batch's extras plus per-token pi_w, ref_w, pi_l, ref_l (B, L). Returns the policy and the mean
+    chosen / rejected response log-likelihoods every `every` steps (Fig. 4-style dynamics)."""
+    policy, ref = copy.deepcopy(base).train(), base.eval()
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(policy.parameters(), lr=lr)
+    x, yw, yl = pairs["prompt"], pairs["chosen"], pairs["rejected"]
+    mw, ml = pairs.get("chosen_mask"), pairs.get("rejected_mask")
+    with torch.no_grad():
+        ref_w, ref_l = response_logps(ref, x, yw, mw), response_logps(ref, x, yl, ml)
+    fixed = ("prompt", "chosen", "rejected", "chosen_mask", "rejected_mask")
+    extras = {k: v for k, v in pairs.items() if k not in fixed}
+    log = {"step": [], "chosen": [], "rejected": [], "loss": []}
+    for step in progress(range(steps + 1), quiet=quiet, desc=desc):
+        if step % every == 0 or step == steps:
+            with torch.no_grad():
+                log["step"].append(step)
+                log["chosen"].append(response_logps(policy, x, yw, mw).sum(-1).mean().item())
+                log["rejected"].append(response_logps(policy, x, yl, ml).sum(-1).mean().item())
+        if step == steps:
+            break
+        i = torch.randint(len(x), (batch_size,), generator=g)
+        batch = {k: v[i] for k, v in extras.items()}
+        batch.update(pi_w=response_logps(policy, x[i], yw[i], None if mw is None else mw[i]), ref_w=ref_w[i],
+                     pi_l=response_logps(policy, x[i], yl[i], None if ml is None else ml[i]), ref_l=ref_l[i])
+        value = loss(batch)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        log["loss"].append(value.item())
+    return policy.eval(), log

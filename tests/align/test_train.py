@@ -67,3 +67,27 @@ def test_expo_uses_a_token_level_kl_that_vanishes_at_the_reference():
     train_preferences(policy, reference, lambda g: batch, "expo", steps=5, lr=1e-2, lam=3.0, quiet=True)
     _, d2 = sequence_logprobs(policy, batch, with_dists=True)
     assert (chosen_token_kl(d, d2, batch) > 0).all()
+
+
+def test_response_logps_and_masked_pair_training():
+    from lab.align.train import response_logps, train_pairs
+
+    torch.manual_seed(0)
+    V = 10
+    m = tiny_llama(vocab_size=V, d_model=16, n_layers=1, n_heads=2, max_len=16).eval()
+    x, y = torch.randint(V, (3, 4)), torch.randint(V, (3, 5))
+    full = m(input_ids=torch.cat([x, y], 1)).logits.log_softmax(-1)
+    want = torch.stack([full[:, 3 + t].gather(-1, y[:, t:t + 1])[:, 0] for t in range(5)], 1)  # naive loop
+    torch.testing.assert_close(response_logps(m, x, y), want)
+    mask = torch.tensor([[1, 1, 0, 0, 0]] * 3).bool()
+    torch.testing.assert_close(response_logps(m, x, y, mask), want * mask)
+    seen = []
+
+    def loss(b):
+        seen.append(b)
+        return -(b["pi_w"] - b["pi_l"]).sum(-1).mean()
+
+    pairs = {"prompt": x, "chosen": y, "rejected": y.flip(-1), "rejected_mask": mask, "tag": torch.arange(3.0)}
+    policy, log = train_pairs(m, pairs, loss, steps=4, lr=1e-2, batch_size=2, every=2, quiet=True)
+    assert log["step"] == [0, 2, 4] and len(log["loss"]) == 4 and policy is not m
+    assert set(seen[0]) == {"tag", "pi_w", "ref_w", "pi_l", "ref_l"} and (seen[0]["pi_l"][:, 2:] == 0).all()

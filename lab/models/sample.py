@@ -1,0 +1,36 @@
+"""Sampling from causal LMs for tiny, fixed-length responses (no KV cache: prompts are short)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@torch.no_grad()
+def sample(model, prefix: Tensor, steps: int, *, generator: torch.Generator, temperature: float = 1.0,
+           ban: Tensor | None = None) -> Tensor:
+    """`steps` tokens after each prefix row (n, P) -> (n, steps). temperature 0 is greedy; `ban` (n,)
+    is a token id excluded at the first sampled position (−1: none), for the replacement test."""
+    x, out = prefix, []
+    for i in range(steps):
+        logits = model(input_ids=x).logits[:, -1].float().cpu()  # (n, V)
+        if i == 0 and ban is not None:
+            rows = (ban >= 0).nonzero()[:, 0]
+            logits[rows, ban[rows]] = -math.inf
+        if temperature == 0:
+            tok = logits.argmax(-1)
+        else:
+            tok = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+        out.append(tok)
+        x = torch.cat([x, tok[:, None].to(x.device)], 1)
+    return torch.stack(out, 1) if out else prefix.new_zeros(len(prefix), 0).cpu()
+
+
+def sample_responses(model, prompts: Tensor, k: int, length: int, **kw) -> Tensor:
+    """k sampled responses per prompt: (n, k, length)."""
+    return sample(model, prompts.repeat_interleave(k, 0), length, **kw).view(len(prompts), k, length)
+
+__all__ = ["sample", "sample_responses"]
