@@ -1,0 +1,1 @@
+"""Test-time adaptation: TLM (perplexity minimisation) and its entropy baselines."""

@@ -1,0 +1,108 @@
+import math
+
+import pytest
+import torch
+
+from lab.adapt import tlm as T
+from lab.models import tiny_llama
+
+V = 16
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return tiny_llama(vocab_size=V, d_model=32, n_layers=1, n_heads=2, max_len=32).eval()
+
+
+def test_sample_ce_is_the_mean_nll_of_the_input_itself():
+    m = model()
+    x = torch.randint(V, (3, 7))
+    mask = torch.ones_like(x)
+    mask[1, 5:] = 0  # right padding in row 1
+    ce = T.sample_ce(m, x, mask)
+    logp = m(input_ids=x, attention_mask=mask).logits.log_softmax(-1)
+    for b in range(3):
+        n = int(mask[b].sum())
+        want = -sum(logp[b, t, x[b, t + 1]] for t in range(n - 1)) / (n - 1)  # naive loop
+        assert ce[b].item() == pytest.approx(want.item(), rel=1e-5)
+    # labels == input_ids: the same number as the model's own LM loss on the unpadded row
+    assert T.sample_ce(m, x[:1]).item() == pytest.approx(m(input_ids=x[:1], labels=x[:1]).loss.item(), rel=1e-5)
+
+
+def test_sel_weights_and_loss_by_hand():
+    ce = torch.tensor([2.0, 3.0, 4.0, 5.0], requires_grad=True)
+    coeff, sel = T.sel_weights(ce, threshold=3.0, lamb=0.1)
+    assert sel.tolist() == [False, False, True, True]
+    torch.testing.assert_close(coeff, torch.tensor([0.0, 0.0, 0.1 * math.e, 0.1 * math.e**2]))
+    loss = T.tlm_loss(ce, coeff, sel)
+    assert loss.item() == pytest.approx((0.1 * math.e * 4 + 0.1 * math.e**2 * 5) / 2)
+    loss.backward()  # the weights are constants: d loss / d CE_i = coeff_i / #selected
+    torch.testing.assert_close(ce.grad, coeff / 2)
+    paper = T.tlm_loss(ce.detach(), coeff, sel, objective="paper")
+    assert paper.item() == pytest.approx((0.1 * math.e * math.exp(4) + 0.1 * math.e**2 * math.exp(5)) / 2)
+    none = T.tlm_loss(ce, *T.sel_weights(ce, threshold=9.0))
+    assert none.item() == 0.0 and none.requires_grad
+    with pytest.raises(ValueError):
+        T.tlm_loss(ce, coeff, sel, objective="ppl")
+
+
+def test_lora_adaptation_skips_unselected_inputs_and_leaves_the_base_intact():
+    m = T.add_lora(model())
+    W0 = {n: p.clone() for n, p in m.named_parameters() if "lora" not in n}
+    assert all("lora" in n for n, p in m.named_parameters() if p.requires_grad)
+    inputs = [torch.randint(V, (1, 10), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    with torch.no_grad():
+        ce0 = [T.sample_ce(m, x).item() for x in inputs]
+    threshold = sorted(ce0)[3]  # the two highest-CE inputs are selected
+    objective = T.tlm_objective(threshold=threshold, lamb=0.1, base_ce=lambda x: T.sample_ce(m, x).detach())
+    log = T.adapt(m, inputs, objective, lr=1e-2)
+    assert sum(log.selected) == 2 and log.backward_passes == 2
+    assert [loss is None for loss in log.losses] == [not s for s in log.selected]
+    official = T.adapt(T.add_lora(model()), inputs, T.tlm_objective(threshold=threshold), lr=1e-2,
+                       skip_unselected=False)
+    assert official.backward_passes == len(inputs)  # the repo back-propagates zero losses too
+    assert all(torch.equal(W0[n], p) for n, p in m.named_parameters() if "lora" not in n)
+    with m.disable_adapter(), torch.no_grad():
+        assert [T.sample_ce(m, x).item() for x in inputs] == pytest.approx(ce0)
+
+
+def test_perplexity_minimisation_lowers_the_inputs_perplexity_and_probes_run():
+    m = T.add_lora(model(), targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    x = torch.randint(V, (1, 12), generator=torch.Generator().manual_seed(0))
+    before = T.sample_ce(m, x).item()
+    log = T.adapt(m, [x] * 30, T.tlm_objective(sel=False), lr=1e-2, probe=lambda: {"ce": T.sample_ce(m, x).item()},
+                  every=10)
+    assert T.sample_ce(m, x).item() < before - 0.5
+    assert [c["step"] for c in log.checkpoints] == [0, 10, 20, 30] and log.checkpoints[0]["ce"] == pytest.approx(before)
+
+
+def test_entropy_baselines():
+    m = model()
+    x = torch.randint(V, (2, 6))
+    e = T.entropy_of_continuation(m, x, 3)
+    with torch.no_grad():  # by hand: greedy continuation, then the entropies at those positions
+        seq = x
+        for _ in range(3):
+            seq = torch.cat([seq, m(input_ids=seq).logits[:, -1:].argmax(-1)], 1)
+        p = m(input_ids=seq).logits[:, 5:8].softmax(-1)
+        want = -(p * p.log()).sum(-1).mean(-1)
+    torch.testing.assert_close(e.detach(), want, rtol=1e-5, atol=1e-6)
+    loss, sel = T.tent_objective(3)(m, x)
+    loss.backward()
+    assert sel and any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+    loss, sel = T.eata_objective(e0=0.0, k=3)(m, x)  # nothing is that confident: skipped
+    assert not sel and loss.item() == 0.0
+
+
+def test_online_predicts_each_chunk_before_training_on_it():
+    m = T.add_lora(model())
+    inputs = [torch.randint(V, (1, 8), generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    seen = []
+
+    def predict(part):
+        seen.append(len(part))
+        return [T.sample_ce(m, x).item() for x in part]
+
+    preds, log = T.adapt_online(m, inputs, T.tlm_objective(threshold=0.0), chunk=2, lr=1e-2, predict=predict)
+    assert seen == [2, 2, 1] and len(preds) == 5 and log.backward_passes == 5
+    assert preds[0] == pytest.approx(T.sample_ce(T.add_lora(model()), inputs[0]).item())  # before any update
