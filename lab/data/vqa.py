@@ -102,6 +102,29 @@ class VisualQA:
         full = [list(COLOURS)[c], list(SHAPES)[s], POSITIONS[p]]
         return full if kind == 0 else [full[kind - 1]]
 
+    def encode(self, s: dict[str, torch.Tensor], *, visual: tuple[str, int] = ("clean", 0),
+               textual: tuple[str, int] = ("clean", 0), generator: torch.Generator | None = None) -> dict:
+        """Model inputs for samples `s` under a shift: `patches` (n, 4, 48), `prompt` (n, 5) ids
+        `<bos> ? … question` (front-padded with `?`), `answer` (n, 4) ids (answer words, <eos>, <pad>…)
+        and the words themselves (`question`, `reference`)."""
+        tok, g = self.tokenizer, generator or torch.Generator().manual_seed(0)
+        questions = [self.question(int(k), *textual, generator=g) for k in s["kind"]]
+        refs = [self.answer(o, int(k)) for o, k in zip(s["object"].tolist(), s["kind"])]
+        prompt = [["<bos>"] + ["?"] * (4 - len(q)) + q for q in questions]
+        answer = [r + ["<eos>"] + ["<pad>"] * (3 - len(r)) for r in refs]
+        ids = lambda rows: torch.tensor([tok.convert_tokens_to_ids(r) for r in rows])
+        return {"patches": self.patches(self.shift_image(s["image"], *visual)), "prompt": ids(prompt),
+                "answer": ids(answer), "question": questions, "reference": refs}
+
+    def batch(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """In-distribution training batch (clean images, canonical questions): loss on the answer."""
+        e = self.encode(self.sample(n, generator))
+        ids = torch.cat([e["prompt"], e["answer"]], 1)
+        labels = ids.clone()
+        labels[:, : e["prompt"].shape[1]] = -100
+        labels[ids == self.tokenizer.pad_token_id] = -100
+        return {"patches": e["patches"], "input_ids": ids, "labels": labels}
+
     @staticmethod
     def patches(img: torch.Tensor) -> torch.Tensor:
         """(n, 3, 8, 8) -> (n, 4, 48): the four 4×4 quadrants, flattened (the visual prefix)."""

@@ -46,3 +46,20 @@ def test_visual_shift_severity_orders_the_distance_from_the_clean_image():
         assert d[0] < d[1] < d[2]
     assert torch.equal(W.shift_image(img, "clean", 0), img)
     assert len(VISUAL) * len(TEXTUAL) == 35
+
+
+def test_encoding_and_training_batches():
+    g = torch.Generator().manual_seed(3)
+    s = W.sample(16, g)
+    e = W.encode(s, visual=("blur", 3), textual=("typo", 1), generator=g)
+    assert e["patches"].shape == (16, 4, 48) and e["prompt"].shape == (16, 5) and e["answer"].shape == (16, 4)
+    tok = W.tokenizer
+    for i in range(16):
+        words = tok.convert_ids_to_tokens(e["prompt"][i].tolist())
+        assert words[0] == "<bos>" and [w for w in words[1:] if w != "?"] == e["question"][i]
+        assert tok.convert_ids_to_tokens(e["answer"][i].tolist())[: len(e["reference"][i]) + 1] == \
+            e["reference"][i] + ["<eos>"]
+    torch.testing.assert_close(e["patches"], W.patches(W.shift_image(s["image"], "blur", 3)))
+    b = W.batch(8, g)
+    assert b["input_ids"].shape == (8, 9) and (b["labels"][:, :5] == -100).all()
+    assert ((b["labels"] == tok.eos_token_id).sum(1) == 1).all() and not (b["labels"] == tok.pad_token_id).any()
