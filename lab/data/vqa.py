@@ -69,7 +69,7 @@ class VisualQA:
         return {"object": obj, "kind": kind, "image": img}
 
     def shift_image(self, img: torch.Tensor, kind: str, severity: int) -> torch.Tensor:
-        """`blur`: a (2s+1)-box blur mixed in by s/5; `frost`: the fixed pattern scaled by 0.25·s."""
+        """`blur`: a (2s+1)-box blur mixed in by s/5; `frost`: the fixed pattern scaled by 0.1·s."""
         if kind == "clean" or severity == 0:
             return img
         if kind == "blur":
@@ -78,7 +78,7 @@ class VisualQA:
                 blurred = F.avg_pool2d(F.pad(blurred, (1, 1, 1, 1), mode="replicate"), 3, 1)
             return img + (severity / 5) * (blurred - img)
         if kind == "frost":
-            return img + 0.25 * severity * self.frost_pattern
+            return img + 0.1 * severity * self.frost_pattern
         raise ValueError(f"unknown visual shift {kind!r}.")
 
     def question(self, kind: int, shift: str = "clean", severity: int = 0,
@@ -130,3 +130,28 @@ class VisualQA:
         """(n, 3, 8, 8) -> (n, 4, 48): the four 4×4 quadrants, flattened (the visual prefix)."""
         n = img.shape[0]
         return img.view(n, 3, 2, 4, 2, 4).permute(0, 2, 4, 1, 3, 5).reshape(n, 4, 48)
+
+
+class FrozenEncoders:
+    """Stand-ins for the repo's frozen encoders (no hub weights): text = a fixed random token-embedding
+    table averaged over the words (as XLM-R's `hidden_states[0]` mean), image = a fixed random 2-layer
+    map of the patches averaged over patches (as CLIP's patch mean); all L2-normalised (d-dim)."""
+
+    def __init__(self, tokenizer, *, d: int = 64, patch_dim: int = 48, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.tokenizer = tokenizer
+        self.table = torch.randn(len(tokenizer), d, generator=g)
+        self.W1 = torch.randn(patch_dim, 2 * d, generator=g) / patch_dim**0.5
+        self.W2 = torch.randn(2 * d, d, generator=g) / (2 * d) ** 0.5
+
+    def text(self, sentences: list[list[str]]) -> torch.Tensor:
+        """(n, d): mean word embedding of each word list (an empty one embeds as zeros)."""
+        out = torch.zeros(len(sentences), self.table.shape[1])
+        for i, words in enumerate(sentences):
+            if words:
+                out[i] = self.table[torch.tensor(self.tokenizer.convert_tokens_to_ids(words))].mean(0)
+        return F.normalize(out, dim=-1)
+
+    def image(self, patches: torch.Tensor) -> torch.Tensor:
+        """(n, P, patch_dim) -> (n, d)."""
+        return F.normalize((torch.relu(patches @ self.W1) @ self.W2).mean(1), dim=-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.modeling_outputs import CausalLMOutput
 
 from lab.models.zoo import tiny_llama
 
@@ -22,28 +23,30 @@ class TinyMLLM(nn.Module):
         super().__init__()
         self.lm = lm
         self.projector = nn.Linear(patch_dim, lm.config.hidden_size)
+        self.config = lm.config  # keys the training cache (`lab.models.fit`), with the patch size
+        self.config.patch_dim = patch_dim
 
     def embed(self, patches: Tensor, input_ids: Tensor) -> Tensor:
         """(B, P, patch_dim), (B, T) -> (B, P + T, d): the visual prefix, then the token embeddings."""
         return torch.cat([self.projector(patches), self.lm.get_input_embeddings()(input_ids)], 1)
 
-    def forward(self, patches: Tensor, input_ids: Tensor, labels: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Logits at the text positions (B, T, V) and, with `labels` (B, T; −100 = no loss), the mean
-        next-token loss (position t predicts token t+1)."""
+    def forward(self, patches: Tensor, input_ids: Tensor, labels: Tensor | None = None) -> CausalLMOutput:
+        """`.logits` at the text positions (B, T, V) and, with `labels` (B, T; −100 = no loss), `.loss`:
+        the mean next-token loss (position t predicts token t+1). Trains with `lab.models.fit`."""
         P = patches.shape[1]
         logits = self.lm(inputs_embeds=self.embed(patches, input_ids)).logits[:, P:]
-        if labels is None:
-            return logits, None
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-                               ignore_index=IGNORE)
-        return logits, loss
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                                   ignore_index=IGNORE)
+        return CausalLMOutput(loss=loss, logits=logits)
 
     @torch.no_grad()
     def generate(self, patches: Tensor, input_ids: Tensor, steps: int) -> Tensor:
         """Greedy continuation (B, steps) of each (image, prompt)."""
         x, out = input_ids, []
         for _ in range(steps):
-            nxt = self(patches, x)[0][:, -1].argmax(-1, keepdim=True)
+            nxt = self(patches, x).logits[:, -1].argmax(-1, keepdim=True)
             out.append(nxt)
             x = torch.cat([x, nxt], 1)
         return torch.cat(out, 1)

@@ -14,14 +14,15 @@ def test_prefix_layout_loss_and_gradients():
     torch.testing.assert_close(emb[:, :4], m.projector(patches))
     labels = ids.clone()
     labels[:, :3] = IGNORE
-    logits, loss = m(patches, ids, labels)
+    out = m(patches, ids, labels)
+    logits, loss = out.logits, out.loss
     assert logits.shape == (3, 5, V)
     want = torch.nn.functional.cross_entropy(logits[:, 2:4].reshape(-1, V), ids[:, 3:5].reshape(-1))  # by hand
     torch.testing.assert_close(loss, want)
     loss.backward()
     assert m.projector.weight.grad.abs().sum() > 0  # the image reaches the loss
     other = torch.randn(3, 4, 6)
-    assert not torch.allclose(m(other, ids)[0], logits)  # and the logits depend on it
+    assert not torch.allclose(m(other, ids).logits, logits)  # and the logits depend on it
 
 
 def test_greedy_generation_matches_step_by_step_argmax():
@@ -31,6 +32,19 @@ def test_greedy_generation_matches_step_by_step_argmax():
     out = m.generate(patches, ids, 3)
     x = ids
     for t in range(3):
-        nxt = m(patches, x)[0][:, -1].argmax(-1)
+        nxt = m(patches, x).logits[:, -1].argmax(-1)
         assert torch.equal(out[:, t], nxt)
         x = torch.cat([x, nxt[:, None]], 1)
+
+
+def test_trains_and_caches_through_fit(tmp_path, monkeypatch):
+    from lab.data.vqa import VisualQA
+    from lab.models import TrainConfig, fit
+
+    monkeypatch.setenv("LAB_CACHE", str(tmp_path))
+    w = VisualQA()
+    build = lambda: tiny_mllm(vocab_size=len(w.tokenizer), d_model=16, n_layers=1, n_heads=2)
+    first = fit(build, w, TrainConfig(steps=5, batch_size=8), quiet=True)
+    again = fit(build, w, TrainConfig(steps=5, batch_size=8), quiet=True)
+    assert not first.cached and again.cached and first.losses[-1] < first.losses[0] + 1.0
+    assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), again.model.parameters()))
