@@ -28,6 +28,10 @@ def test_notebook_is_clean_and_follows_the_contract(path: Path):
     import papermill as pm
 
     params = pm.inspect_notebook(str(path))
+    import ast
+
+    assigned = [t.target.id for t in ast.parse(first.source).body if isinstance(t, ast.AnnAssign)]
+    assert list(params) == assigned, "papermill must parse every parameter (no ' = ' inside a comment)"
     assert list(params)[:4] == list(CONTRACT)
     assert [params[k]["default"] for k in CONTRACT] == ['"smoke"', '"auto"', "0", '"tiny"'] or \
         params["model"]["default"] != '"tiny"'
