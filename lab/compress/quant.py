@@ -1,0 +1,135 @@
+"""Group-wise low-bit weight quantization: round-to-nearest (RTN) and HQQ's half-quadratic solver.
+
+A weight W (N, K) is cut into groups of `group_size` consecutive inputs along K (HQQ's `axis=1`);
+each group g gets a scale s_g and a zero z_g, and codes q = clamp(round(W / s + z), 0, 2^b − 1), so
+that W ≈ (q − z) · s. We store the *forward* scale s (HQQ optimises with its inverse 1/s and inverts
+it at the end; `quantize` follows that internally).
+
+HQQ (Badri & Shaji 2023, "Half-Quadratic Quantization of Large Machine Learning Models"; the `hqq`
+package's `optimize_weights_proximal_legacy`) keeps the min-max scale and solves for the zero point
+by alternating (i) W_e = shrink_p(W − W_r, β), a generalised soft-threshold (the proximal operator of
+the ℓ_p "norm" with p < 1, robust to outliers), (ii) z = mean(q − (W − W_e)/s) per group, with β ← κβ,
+stopping early when the mean |W − W_r| rises. Defaults lp=0.7, β=10, κ=1.01, 20 iterations, as in
+HQQ and FloE's configuration (`hqq.BaseQuantizeConfig(nbits=2, group_size=64)`).
+
+Packing (`pack`/`unpack`): 8/b codes per byte for b ∈ {1, 2, 4} (code i of a byte in bits b·i…),
+ten 3-bit codes per int32 for b = 3, plain uint8 for b = 8. The INT2 layout is the one the Triton
+kernel `kernels.floe.int2_gemv` reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+BITS = (1, 2, 3, 4, 8)
+
+
+@dataclass
+class QTensor:
+    """A quantized (N, K) weight: packed codes, per-group scale and zero (float32, (N, G))."""
+
+    packed: Tensor
+    scale: Tensor
+    zero: Tensor
+    nbits: int
+    group_size: int
+    shape: tuple[int, int]
+
+    def codes(self) -> Tensor:
+        return unpack(self.packed, self.nbits, self.shape[1])  # (N, K) uint8
+
+    def dequantize(self) -> Tensor:
+        n, k = self.shape
+        idx = torch.arange(k, device=self.packed.device) // self.group_size
+        q = self.codes().float()
+        return (q - self.zero[:, idx]) * self.scale[:, idx]  # (N, K)
+
+    def nbytes(self, meta_bits: int = 16) -> int:
+        """Storage in bytes: packed codes plus scale and zero at `meta_bits` each (fp16 by default)."""
+        return self.packed.numel() * self.packed.element_size() + 2 * self.scale.numel() * meta_bits // 8
+
+    def bits_per_weight(self, meta_bits: int = 16) -> float:
+        return 8 * self.nbytes(meta_bits) / (self.shape[0] * self.shape[1])
+
+
+def _groups(W: Tensor, group_size: int) -> Tensor:
+    """(N, K) -> (N, G, group_size), padding the last group by repeating its final column."""
+    n, k = W.shape
+    g = math.ceil(k / group_size)
+    pad = g * group_size - k
+    if pad:
+        W = torch.cat([W, W[:, -1:].expand(n, pad)], dim=1)
+    return W.reshape(n, g, group_size)
+
+
+def shrink_lp(x: Tensor, beta: float, p: float) -> Tensor:
+    """Generalised soft-thresholding, the proximal step of (β/2)||x − ·||² + ||·||_p^p (HQQ Eq. 4)."""
+    if p == 1:
+        return torch.sign(x) * torch.relu(x.abs() - 1.0 / beta)
+    return torch.sign(x) * torch.relu(x.abs() - (1.0 / beta) * x.abs().clamp_min(1e-12).pow(p - 1))
+
+
+def quantize(W: Tensor, nbits: int = 2, group_size: int = 64, method: str = "hqq", *, lp: float = 0.7,
+             beta: float = 10.0, kappa: float = 1.01, iters: int = 20) -> QTensor:
+    """Quantize W (N, K) group-wise along K with `method` "rtn" (min-max) or "hqq" (proximal zero solve)."""
+    if nbits not in BITS:
+        raise ValueError(f"nbits={nbits} is not supported; use one of {BITS}.")
+    if method not in ("rtn", "hqq"):
+        raise ValueError(f"method={method!r} is unknown; use 'rtn' or 'hqq'.")
+    if W.dim() != 2 or group_size < 1:
+        raise ValueError(f"quantize needs a 2-D weight and group_size ≥ 1, got shape {tuple(W.shape)}.")
+    n, k = W.shape
+    Wg = _groups(W.detach().float(), group_size)  # (N, G, gs)
+    qmax = 2**nbits - 1
+    lo, hi = Wg.amin(-1, keepdim=True), Wg.amax(-1, keepdim=True)
+    inv = qmax / (hi - lo).clamp_min(1e-8)  # HQQ's inverse scale 1/s, (N, G, 1)
+    inv = inv.clamp(max=2e4)
+    zero = -lo * inv
+    if method == "hqq":
+        best, best_zero = float("inf"), zero
+        for _ in range(iters):
+            q = torch.round(Wg * inv + zero).clamp(0, qmax)
+            Wr = (q - zero) / inv
+            We = shrink_lp(Wg - Wr, beta, lp)
+            zero = torch.mean(q - (Wg - We) * inv, dim=-1, keepdim=True)
+            beta *= kappa
+            err = float((Wg - Wr).abs().mean())
+            if err >= best:  # early stop: keep the zero of the best iterate
+                break
+            best, best_zero = err, zero
+        zero = best_zero
+    q = torch.round(Wg * inv + zero).clamp(0, qmax).to(torch.uint8).reshape(n, -1)[:, :k]
+    return QTensor(pack(q, nbits), (1.0 / inv).squeeze(-1), zero.squeeze(-1), nbits, group_size, (n, k))
+
+
+def fake_quantize(W: Tensor, nbits: int, group_size: int = 64, method: str = "hqq", **kw) -> Tensor:
+    """quantize -> dequantize, in W's dtype and shape (for sensitivity sweeps)."""
+    return quantize(W, nbits, group_size, method, **kw).dequantize().to(W.dtype)
+
+
+def pack(q: Tensor, nbits: int) -> Tensor:
+    """Codes (N, K) uint8 in [0, 2^b) -> packed (N, ceil(K/c)), c codes per byte (per int32 for b = 3)."""
+    if nbits == 8:
+        return q.to(torch.uint8).clone()
+    per, dtype = (10, torch.int32) if nbits == 3 else (8 // nbits, torch.uint8)
+    n, k = q.shape
+    cols = math.ceil(k / per)
+    qp = torch.zeros(n, cols * per, dtype=torch.int32, device=q.device)
+    qp[:, :k] = q.to(torch.int32)
+    qp = qp.reshape(n, cols, per)
+    shifts = torch.arange(per, device=q.device, dtype=torch.int32) * nbits
+    return (qp << shifts).sum(-1).to(dtype)  # disjoint bit fields: the sum is a bitwise or
+
+
+def unpack(packed: Tensor, nbits: int, k: int) -> Tensor:
+    """Inverse of `pack`: (N, ceil(K/c)) -> codes (N, K) uint8."""
+    if nbits == 8:
+        return packed[:, :k].to(torch.uint8)
+    per = 10 if nbits == 3 else 8 // nbits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * nbits
+    q = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2**nbits - 1)  # (N, cols, per)
+    return q.reshape(packed.shape[0], -1)[:, :k].to(torch.uint8)

@@ -1,0 +1,307 @@
+"""FloE (Zhou et al., ICML 2025): contextual sparsity, ultra-low-bit W_up and dual predictors for MoE experts.
+
+A Mixtral expert is a_E(x) = (SiLU(x W_gate) ⊙ (x W_up)) W_down (Eq. 1), with a_gate = SiLU(x W_gate),
+a_up = x W_up, a_down = a_gate ⊙ a_up (Eqs. 3–4). The magnitude sparsifier S_t(a) = a·[|a| ≥ t] (Eq. 5)
+uses a threshold per (layer, expert): t = min{t' : F(t') ≥ k}, F the empirical CDF of |a| over the
+calibration tokens routed to that expert, k the target sparsity (Eq. 6). Theorem 3.1 orders the
+output error of sparsifying each activation at equal kept fraction: L_down ≤ L_up < L_gate.
+
+The FloE expert (Eq. 11) sparsifies the *up* output, a^S(x) = (SiLU(x W_gate) ⊙ S_t(x W_up)) W_down,
+so only the kept rows of W_gate and W_downᵀ are needed per token, while W_up (needed whole, to find
+the mask) is stored INT2 (HQQ, group 64). Predictors (Sec. 3.3): the next layer's experts from the
+current MoE input through the next layer's router (inter-expert), and the next layer's neurons as the
+top-|x W_up^{i+1,e}| with the resident INT2 W_up (intra-expert).
+
+Works on transformers 5.x fused experts: `layers[i].mlp.experts.gate_up_proj` (E, 2F, H) — gate is the
+first F rows, up the second — and `down_proj` (E, H, F); the router is `layers[i].mlp.gate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F_
+from torch import Tensor, nn
+
+from lab.compress.quant import QTensor, fake_quantize, quantize
+
+MATRICES = ("gate", "up", "down")
+SILU_MIN = 0.2784645  # −min SiLU(z), the shift c of Theorem 3.1's exponential model
+ExpertFn = Callable[[int, int, Tensor], Tensor]  # (layer, expert, x (n, H)) -> expert output (n, H)
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sparse-MoE block of every decoder layer (has `.gate` router and fused `.experts`)."""
+    return [layer.mlp for layer in model.model.layers]
+
+
+def weights(mlp: nn.Module, e: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert e's W_gate (F, H), W_up (F, H), W_down (H, F) — views of the fused parameters."""
+    F = mlp.experts.down_proj.shape[-1]
+    gu = mlp.experts.gate_up_proj[e]
+    return gu[:F], gu[F:], mlp.experts.down_proj[e]
+
+
+def activations(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor | None = None) -> dict[str, Tensor]:
+    """a_gate, a_up, a_down (each (n, F)) for inputs x (n, H) — Eqs. 3–4."""
+    a_gate, a_up = F_.silu(x @ Wg.T), x @ Wu.T
+    return {"gate": a_gate, "up": a_up, "down": a_gate * a_up}
+
+
+def sparsify(a: Tensor, t: Tensor | float) -> Tensor:
+    """S_t(a) = a where |a| ≥ t else 0 (Eq. 5)."""
+    return a * (a.abs() >= t)
+
+
+def expert_out(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor, on: str | None = None, t: float = 0.0) -> Tensor:
+    """Expert output (n, H), dense (`on=None`) or with S_t applied to a_gate (CATS), a_up (FloE) or a_down."""
+    a = activations(x, Wg, Wu)
+    if on is None:
+        h = a["down"]
+    elif on == "gate":
+        h = sparsify(a["gate"], t) * a["up"]
+    elif on == "up":
+        h = a["gate"] * sparsify(a["up"], t)
+    elif on == "down":
+        h = sparsify(a["down"], t)
+    else:
+        raise ValueError(f"on={on!r} is not an activation; use one of {MATRICES}.")
+    return h @ Wd.T
+
+
+@torch.no_grad()
+def capture(model: nn.Module, input_ids: Tensor) -> list[Tensor]:
+    """Teacher-forced MoE inputs of every layer, [(N, H)] with N = batch·T (post-attention-norm states)."""
+    xs, hooks = [], []
+    for mlp in moe_blocks(model):
+        hooks.append(mlp.register_forward_pre_hook(lambda _m, args: xs.append(args[0].reshape(-1, args[0].shape[-1]))))
+    try:
+        model(input_ids=input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return xs
+
+
+def route(mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Router logits (n, E), renormalised top-k weights (n, k) and expert indices (n, k)."""
+    return mlp.gate(x)
+
+
+def moe_out(mlp: nn.Module, x: Tensor, fn: Callable[[int, Tensor], Tensor], idx: Tensor | None = None,
+            w: Tensor | None = None) -> Tensor:
+    """Σ_e w_e · fn(e, x) over each token's routed experts (the MoE block's output, (n, H))."""
+    if idx is None:
+        _, w, idx = route(mlp, x)
+    y = torch.zeros_like(x)
+    for e in idx.unique().tolist():
+        tok, slot = torch.where(idx == e)
+        y.index_add_(0, tok, fn(e, x[tok]) * w[tok, slot, None])
+    return y
+
+
+@torch.no_grad()
+def thresholds(model: nn.Module, xs: list[Tensor], k: float | list[float], on: str = "up",
+               per_expert: bool = True) -> Tensor:
+    """t (L, E) for sparsity k — the k-quantile of |a_on| over the tokens routed to each expert (Eq. 6);
+    (len(k), L, E) for a list of k. `per_expert=False` pools a layer's experts into one threshold."""
+    ks = torch.tensor([k] if isinstance(k, float | int) else list(k), dtype=torch.float32)
+    t = torch.zeros(len(ks), len(xs), moe_blocks(model)[0].experts.down_proj.shape[0])
+    for l, (mlp, x) in enumerate(zip(moe_blocks(model), xs)):
+        _, _, idx = route(mlp, x)
+        mags = [activations(x[(idx == e).any(-1)], *weights(mlp, e))[on].abs().flatten().float()
+                for e in range(t.shape[2])]
+        if per_expert:
+            for e, m in enumerate(mags):
+                t[:, l, e] = _quantile(m, ks) if m.numel() else float("inf")
+        else:
+            t[:, l] = _quantile(torch.cat(mags), ks)[:, None]
+    return t[0] if isinstance(k, float | int) else t
+
+
+def _quantile(m: Tensor, ks: Tensor) -> Tensor:
+    """min{t : F(t) ≥ k} of the empirical CDF F of m, for each k (Eq. 6's definition, no interpolation)."""
+    s = m.sort().values
+    return s[(ks * len(s)).ceil().long().clamp(1, len(s)) - 1]
+
+
+@torch.no_grad()
+def layer_errors(model: nn.Module, xs: list[Tensor], fn: ExpertFn) -> Tensor:
+    """Relative MoE-output error ||y_fn − y||² / ||y||² per layer (L,), same routing, teacher-forced inputs."""
+    out = []
+    for l, (mlp, x) in enumerate(zip(moe_blocks(model), xs)):
+        _, w, idx = route(mlp, x)
+        y = moe_out(mlp, x, lambda e, xe, mlp=mlp: expert_out(xe, *weights(mlp, e)), idx, w)
+        y_v = moe_out(mlp, x, lambda e, xe, l=l: fn(l, e, xe), idx, w)
+        out.append(((y_v - y).pow(2).sum() / y.pow(2).sum()).item())
+    return torch.tensor(out)
+
+
+class _Experts(nn.Module):
+    """Drop-in for `mlp.experts` (same forward signature) that computes each expert with `fn(e, x)`."""
+
+    def __init__(self, fn: Callable[[int, Tensor], Tensor], orig: nn.Module):
+        super().__init__()
+        self.fn, self.orig = fn, orig
+        self.gate_up_proj, self.down_proj = orig.gate_up_proj, orig.down_proj  # still readable by `weights`
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        y = torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():
+            tok, slot = torch.where(top_k_index == e)
+            y.index_add_(0, tok, self.fn(e, hidden_states[tok]) * top_k_weights[tok, slot, None].to(y.dtype))
+        return y
+
+
+@contextlib.contextmanager
+def use_experts(model: nn.Module, fn: ExpertFn, layers: list[int] | None = None) -> Iterator[nn.Module]:
+    """Run `model` with the experts of `layers` (default all) computed by `fn(layer, e, x)`."""
+    blocks = moe_blocks(model)
+    layers = range(len(blocks)) if layers is None else layers
+    saved = {l: blocks[l].experts for l in layers}
+    try:
+        for l in layers:
+            blocks[l].experts = _Experts(lambda e, x, l=l: fn(l, e, x), saved[l])
+        yield model
+    finally:
+        for l, experts in saved.items():
+            blocks[l].experts = experts
+
+
+def sparse_fn(model: nn.Module, t: Tensor, on: str) -> ExpertFn:
+    """Expert function that applies S_t to `on` with the per-(layer, expert) thresholds t (L, E)."""
+    blocks = moe_blocks(model)
+    return lambda l, e, x: expert_out(x, *weights(blocks[l], e), on=on, t=float(t[l, e]))
+
+
+def quant_fn(model: nn.Module, matrix: str, nbits: int, group_size: int = 64) -> ExpertFn:
+    """Expert function with one matrix of every expert fake-quantized (HQQ) to `nbits` (per-matrix sensitivity)."""
+    blocks = moe_blocks(model)
+    pos = MATRICES.index(matrix)
+    cache = {}
+
+    def fn(l: int, e: int, x: Tensor) -> Tensor:
+        if (l, e) not in cache:
+            W = list(weights(blocks[l], e))
+            W[pos] = fake_quantize(W[pos].detach(), nbits, group_size)
+            cache[l, e] = W
+        return expert_out(x, *cache[l, e])
+
+    return fn
+
+
+class FloEExpert:
+    """One compressed expert (Eq. 11): INT2 W_up (resident), FP rows of W_gate and W_downᵀ, threshold t."""
+
+    def __init__(self, Wg: Tensor, Wu: Tensor, Wd: Tensor, t: float, nbits: int = 2, group_size: int = 64):
+        self.Wg = Wg.detach()  # (F, H), row j = gate neuron j
+        self.Wd_t = Wd.detach().T.contiguous()  # (F, H), row j = down column j (co-located with gate row j)
+        self.Wq_up: QTensor = quantize(Wu.detach(), nbits, group_size)
+        self.Wu = self.Wq_up.dequantize().to(Wg.dtype)  # (F, H)
+        self.t = t
+
+    def mask(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """a_up = x W_upᵀ (n, F) with the INT2 W_up, and the kept-neuron mask |a_up| ≥ t (n, F)."""
+        a_up = x @ self.Wu.T
+        return a_up, a_up.abs() >= self.t
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """Masked-dense form for a batch x (n, H) -> (n, H)."""
+        a_up, m = self.mask(x)
+        return (F_.silu(x @ self.Wg.T) * a_up * m) @ self.Wd_t
+
+    def gathered(self, x: Tensor) -> Tensor:
+        """Per token, only the kept rows: y = (SiLU(W_gate[idx] x) ⊙ a_up[idx]) W_downᵀ[idx] (n, H)."""
+        a_up, m = self.mask(x)
+        out = []
+        for xi, ai, mi in zip(x, a_up, m):
+            idx = mi.nonzero().squeeze(-1)  # (kept,)
+            out.append((F_.silu(self.Wg[idx] @ xi) * ai[idx]) @ self.Wd_t[idx])
+        return torch.stack(out) if out else x.new_zeros(0, x.shape[-1])
+
+
+def floe_experts(model: nn.Module, t: Tensor, nbits: int = 2,
+                 group_size: int = 64) -> dict[tuple[int, int], FloEExpert]:
+    """A FloEExpert for every (layer, expert) with thresholds t (L, E) on |a_up|."""
+    return {(l, e): FloEExpert(*weights(mlp, e), float(t[l, e]), nbits, group_size)
+            for l, mlp in enumerate(moe_blocks(model)) for e in range(t.shape[1])}
+
+
+@torch.no_grad()
+def eval_loss(model: nn.Module, batch: dict[str, Tensor], fn: ExpertFn | None = None,
+              layers: list[int] | None = None) -> float:
+    """Mean next-token loss on `batch`, with the experts of `layers` replaced by `fn` when given."""
+    if fn is None:
+        return model(**batch).loss.item()
+    with use_experts(model, fn, layers):
+        return model(**batch).loss.item()
+
+
+def fit_shifted_exponential(a_gate: Tensor) -> tuple[float, float]:
+    """(λ, c) of Theorem 3.1's model a_gate = z − c, z ~ Exp(λ): c = −min SiLU, λ = 1 / mean(a_gate + c) (MLE)."""
+    return 1.0 / float((a_gate.float() + SILU_MIN).mean()), SILU_MIN
+
+
+# --- dual predictors (Sec. 3.3) ---------------------------------------------------------------
+
+def _cos(a: Tensor, b: Tensor) -> float:
+    return F_.cosine_similarity(a, b, dim=-1).mean().item()
+
+
+@torch.no_grad()
+def predictor_stats(model: nn.Module, xs: list[Tensor], keep: float, int2: dict | None = None,
+                    router: Callable[[int, Tensor], Tensor] | None = None) -> list[dict[str, float]]:
+    """For each layer i+1 predicted from layer i's MoE input x_i:
+
+    - `cos`: mean cosine(x_i, x_{i+1});
+    - `inter`: unordered top-k overlap of router_{i+1}(x_i) (or `router(i+1, x_i)`) with the true top-k;
+    - `intra`: recall of top-⌈keep·F⌉ |x_i W_up^{i+1,e}| against top-⌈keep·F⌉ |x_{i+1} W_up^{i+1,e}| on the
+      true experts (W_up from `int2[(i+1, e)].Wu` when given, as resident in the engine)."""
+    blocks = moe_blocks(model)
+    E, F = blocks[0].experts.down_proj.shape[0], blocks[0].experts.down_proj.shape[-1]
+    n_keep = max(1, round(keep * F))
+    out = []
+    for i in range(len(xs) - 1):
+        x0, x1, nxt = xs[i], xs[i + 1], blocks[i + 1]
+        _, _, true = route(nxt, x1)  # (n, k)
+        logits = router(i + 1, x0) if router else route(nxt, x0)[0]
+        pred = logits.topk(true.shape[1], -1).indices
+        inter = (pred.unsqueeze(-1) == true.unsqueeze(-2)).any(-1).float().mean().item()
+        rec = []
+        for e in range(E):
+            sel = (true == e).any(-1)
+            if not sel.any():
+                continue
+            Wu = int2[(i + 1, e)].Wu if int2 else weights(nxt, e)[1]
+            p = (x0[sel] @ Wu.T).abs().topk(n_keep, -1).indices
+            q = (x1[sel] @ Wu.T).abs().topk(n_keep, -1).indices
+            hit = torch.zeros(int(sel.sum()), F).scatter_(1, p, 1).gather(1, q)
+            rec.append(hit.mean(-1))
+        out.append({"layer": i + 1, "cos": _cos(x0, x1), "inter": inter, "intra": torch.cat(rec).mean().item()})
+    return out
+
+
+def train_inter_predictor(x: Tensor, logits_next: Tensor, router_next: Tensor, top_k: int = 2, hidden: int = 0,
+                          epochs: int = 20, lr: float = 5e-4, batch: int = 2048, seed: int = 0) -> nn.Module:
+    """The development repo's inter-expert predictor: Linear(H→E) initialised from the next router
+    (`hidden=0`) or Linear–SiLU–Linear, trained with SmoothL1 against the multi-hot top-k of the next
+    layer's true logits (Adam, 80/20 split is left to the caller)."""
+    torch.manual_seed(seed)
+    H, E = x.shape[-1], logits_next.shape[-1]
+    if hidden:
+        net = nn.Sequential(nn.Linear(H, hidden), nn.SiLU(), nn.Linear(hidden, E))
+    else:
+        net = nn.Linear(H, E, bias=False)
+        net.weight.data.copy_(router_next)
+    target = torch.zeros_like(logits_next).scatter_(1, logits_next.topk(top_k, -1).indices, 1.0)
+    opt = torch.optim.Adam(net.parameters(), lr)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        for idx in torch.randperm(len(x), generator=g).split(batch):
+            loss = F_.smooth_l1_loss(net(x[idx]), target[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return net.eval()

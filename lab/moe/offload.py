@@ -1,0 +1,341 @@
+"""An expert-offload engine for decoding MoE models: host-resident experts, a device cache, byte accounting.
+
+Policies (FloE Sec. 3.4 and the baselines it compares with, per decoded token and MoE layer):
+
+- `fp16`:  every routed expert is copied whole in FP16 on demand (DeepSpeed/accelerate-style, no cache);
+- `int2`:  every routed expert is copied whole as HQQ INT2 codes + FP16 scale/zero (Mixtral-offloading's
+           2-bit experts, no cache);
+- `lru-fp16`, `lru-int2`: whole FP16 / INT2 experts with a per-layer LRU cache of `cache_k` experts
+           (Mixtral-offloading's ExpertCache, which holds 2-bit experts); misses are copied synchronously;
+- `floe`:  all experts' INT2 W_up stay on the device; at layer i the next layer's experts are predicted
+           with router_{i+1}(x_i), their neurons with top-|x_i W_up^{i+1,e}| (`keep`·F rows), and the rows of
+           W_gate and W_downᵀ (co-located, (n, 2, H) FP16 — the compact layout of Sec. 3.4.2) are copied
+           ahead on the side stream; a misrouted expert is reloaded synchronously with its mask from the true
+           x. The kept activations are recomputed with the true input (the development repo's engine).
+
+Layers in `resident` keep their experts dense on the device (FloE's GPU-resident layers). Each token is
+decoded one at a time with the model's KV cache (prefill is decoded token by token too).
+
+One code path runs everywhere; only the copy/stream layer (`Link`) differs. `SimLink` (CPU, CI) copies
+host tensors and models time: a copy takes latency + bytes / PCIe bandwidth on one FIFO link, a layer's
+compute takes (bytes of weights it reads) / device-memory bandwidth (decode is memory-bound), and a
+layer starts when its data has arrived. `CudaLink` copies pinned host tensors on a side CUDA stream
+(non_blocking) and times copies and compute with CUDA events. `TimeModel.mixtral_equivalent` scales both
+bandwidths by (toy expert size / Mixtral expert size), so a toy timeline has Mixtral's proportions.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F_
+from torch import Tensor, nn
+
+from lab.compress.quant import QTensor, quantize
+from lab.moe.floe import moe_blocks, route, weights
+
+POLICIES = ("fp16", "int2", "lru-fp16", "lru-int2", "floe")
+MIXTRAL = {"H": 4096, "F": 14336, "L": 32, "E": 8, "top_k": 2}
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    pcie: float = 25e9  # host->device bytes/s (PCIe 4.0 x16 effective, FloE: 88% of peak)
+    hbm: float = 936e9  # device memory bytes/s (RTX 3090)
+    latency: float = 10e-6  # per copy
+    scale: float = 1.0  # multiplies both bandwidths
+
+    def transfer(self, nbytes: int) -> float:
+        return self.latency + nbytes / (self.pcie * self.scale)
+
+    def compute(self, nbytes: int) -> float:
+        return nbytes / (self.hbm * self.scale)
+
+    @classmethod
+    def mixtral_equivalent(cls, H: int, F: int, **kw) -> TimeModel:
+        """Bandwidths scaled by H·F / (4096·14336): a toy expert moves and computes in Mixtral's proportions."""
+        return cls(scale=H * F / (MIXTRAL["H"] * MIXTRAL["F"]), **kw)
+
+
+@dataclass
+class Span:
+    lane: str  # "compute" | "transfer"
+    layer: int
+    start: float
+    end: float
+    what: str
+
+
+class SimLink:
+    """Device-tier simulator: 'device' tensors are host copies; time is modelled by a TimeModel."""
+
+    def __init__(self, tm: TimeModel):
+        self.tm, self.t, self.link_free, self.spans = tm, 0.0, 0.0, []
+
+    def to_host(self, x: Tensor) -> Tensor:
+        return x.contiguous()
+
+    def gather(self, host: Tensor, idx: Tensor) -> Tensor:
+        return host[idx.cpu()]
+
+    def copy(self, x: Tensor, layer: int, what: str) -> tuple[Tensor, float]:
+        start = max(self.t, self.link_free)
+        self.link_free = start + self.tm.transfer(x.numel() * x.element_size())
+        self.spans.append(Span("transfer", layer, start, self.link_free, what))
+        return x.clone(), self.link_free
+
+    def wait(self, ready: float) -> None:
+        self.t = max(self.t, ready)
+
+    def compute(self, layer: int, nbytes: int, fn, what: str = "layer"):
+        start, out = self.t, fn()
+        self.t += self.tm.compute(nbytes)
+        self.spans.append(Span("compute", layer, start, self.t, what))
+        return out
+
+    def now(self) -> float:
+        return self.t
+
+
+class CudaLink(SimLink):
+    """Real H2D copies from pinned host memory on a side stream; CUDA events time copies and compute."""
+
+    def __init__(self, device: str = "cuda"):
+        super().__init__(TimeModel())
+        self.device, self.stream = device, torch.cuda.Stream(device)
+        self.t0 = torch.cuda.Event(enable_timing=True)
+        self.t0.record()
+        self._events: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event, str]] = []
+        self._ring: list[list] = [[None, None] for _ in range(8)]  # [pinned buffer, copy-done event]
+        self._next, self._pending = 0, None
+
+    def to_host(self, x: Tensor) -> Tensor:
+        return x.detach().cpu().contiguous().pin_memory()
+
+    def gather(self, host: Tensor, idx: Tensor) -> Tensor:
+        """Gather rows into a pinned staging buffer (a ring, reused once its previous copy has finished)."""
+        n = len(idx)
+        slot = self._ring[self._next % len(self._ring)]
+        self._next += 1
+        if slot[1] is not None:
+            slot[1].synchronize()
+        if slot[0] is None or slot[0].shape[0] < n or slot[0].shape[1:] != host.shape[1:]:
+            slot[0] = torch.empty((max(n, 1),) + tuple(host.shape[1:]), dtype=host.dtype).pin_memory()
+        out = slot[0][:n]
+        torch.index_select(host, 0, idx.cpu(), out=out)
+        self._pending = slot
+        return out
+
+    def _span(self, lane, layer, what):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._events.append((lane, layer, a, b, what))
+        return a, b
+
+    def copy(self, x: Tensor, layer: int, what: str) -> tuple[Tensor, torch.cuda.Event]:
+        a, b = self._span("transfer", layer, what)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            a.record()
+            y = x.to(self.device, non_blocking=True)
+            b.record()
+        if self._pending is not None and x.data_ptr() == self._pending[0].data_ptr():
+            self._pending[1], self._pending = b, None
+        y.record_stream(torch.cuda.current_stream())
+        return y, b
+
+    def wait(self, ready) -> None:
+        torch.cuda.current_stream().wait_event(ready)
+
+    def compute(self, layer: int, nbytes: int, fn, what: str = "layer"):
+        a, b = self._span("compute", layer, what)
+        a.record()
+        out = fn()
+        b.record()
+        return out
+
+    def now(self) -> float:
+        torch.cuda.synchronize()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        torch.cuda.synchronize()
+        self.spans = [Span(l, i, self.t0.elapsed_time(a) / 1e3, self.t0.elapsed_time(b) / 1e3, w)
+                      for l, i, a, b, w in self._events]
+        return self.t0.elapsed_time(e) / 1e3
+
+
+@dataclass
+class Stats:
+    bytes: list[int] = field(default_factory=list)  # per token, host->device
+    seconds: list[float] = field(default_factory=list)  # per token (modelled on SimLink, measured on CUDA)
+    calls: int = 0  # expert calls on offloaded layers
+    misses: int = 0  # lru: cache misses; floe: experts not prefetched (synchronous reloads)
+    resident_bytes: int = 0  # expert bytes held on the device for the policy
+
+
+class OffloadEngine:
+    """Decode `model` token by token with its offloaded MoE layers served by `policy` over `link`."""
+
+    def __init__(self, model: nn.Module, policy: str, link: SimLink, *, keep: float = 0.2, cache_k: int = 2,
+                 resident: tuple[int, ...] = (0,), group_size: int = 64, device: str = "cpu"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r} is unknown; use one of {', '.join(POLICIES)}.")
+        self.model, self.policy, self.link, self.device = model, policy, link, device
+        self.blocks = moe_blocks(model)
+        self.L, (self.E, self.H, self.F) = len(self.blocks), self.blocks[0].experts.down_proj.shape
+        self.n_keep, self.cache_k, self.resident = max(1, round(keep * self.F)), cache_k, set(resident)
+        self.offloaded = [l for l in range(self.L) if l not in self.resident]
+        self.host: dict[tuple[int, int], dict[str, Tensor]] = {}  # what lives in host memory
+        self.up: dict[tuple[int, int], Tensor] = {}  # floe: device-resident INT2 W_up (dequantized for compute)
+        self.stats = Stats()
+        attn = model.model.layers[0].self_attn
+        self.attn_bytes = 2 * sum(p.numel() for p in attn.parameters())  # fp16 attention weights read per token
+        for l in self.offloaded:
+            for e in range(self.E):
+                self._store(l, e, *weights(self.blocks[l], e), group_size)
+        self.cache = {l: OrderedDict() for l in self.offloaded}  # lru: e -> device weights
+        if policy.startswith("lru"):
+            self.stats.resident_bytes = cache_k * len(self.offloaded) * self.expert_bytes()
+        elif policy == "floe":
+            self.stats.resident_bytes += 2 * self.blocks[0].gate.top_k * self.n_keep * 2 * self.H * 2  # 2 buffers
+        self.prefetched: dict[int, dict[int, tuple[Tensor, Tensor, object]]] = {}  # floe: l -> e -> (idx, rows, ready)
+
+    # --- host store ----------------------------------------------------------------------------
+    def _store(self, l: int, e: int, Wg: Tensor, Wu: Tensor, Wd: Tensor, gs: int) -> None:
+        h = self.link.to_host
+        if self.policy in ("fp16", "lru-fp16"):
+            self.host[l, e] = {"w": h(torch.stack([Wg, Wu, Wd.T]).detach().half())}  # (3, F, H)
+        elif self.policy in ("int2", "lru-int2"):
+            qs = [quantize(W.detach(), 2, gs) for W in (Wg, Wu, Wd.T)]
+            self.host[l, e] = {f"{n}{i}": h(t) for i, q in enumerate(qs)
+                               for n, t in (("q", q.packed), ("s", q.scale.half()), ("z", q.zero.half()))}
+            self.host[l, e]["meta"] = (gs,)
+        else:  # floe: compact rows [gate row j, down column j] in host memory, INT2 W_up on the device
+            self.host[l, e] = {"rows": h(torch.stack([Wg, Wd.T], 1).detach().half())}  # (F, 2, H)
+            qu = quantize(Wu.detach(), 2, gs)
+            self.up[l, e] = qu.dequantize().to(self.device)
+            self.stats.resident_bytes += qu.nbytes()
+
+    def expert_bytes(self) -> int:
+        """Bytes one whole offloaded expert occupies in transfer form (fp16, int2 and lru policies)."""
+        store = self.host[self.offloaded[0], 0]
+        return sum(t.numel() * t.element_size() for k, t in store.items() if k != "meta")
+
+    # --- fetching -------------------------------------------------------------------------------
+    def _fetch_whole(self, l: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
+        store, got, ready = self.host[l, e], {}, None
+        for k, t in store.items():
+            if k != "meta":
+                got[k], ready = self.link.copy(t, l, f"expert {e}")
+                self.stats.bytes[-1] += t.numel() * t.element_size()
+        self.link.wait(ready)
+        if "w" in got:
+            return tuple(got["w"].float())
+        gs, F, H = store["meta"][0], self.F, self.H
+        out = []
+        for i in range(3):
+            q = QTensor(got[f"q{i}"], got[f"s{i}"].float(), got[f"z{i}"].float(), 2, gs, (F, H))
+            out.append(q.dequantize())
+        return tuple(out)
+
+    def _whole(self, l: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
+        if not self.policy.startswith("lru"):
+            return self._fetch_whole(l, e)
+        cache = self.cache[l]
+        if e in cache:
+            cache.move_to_end(e)
+        else:
+            self.stats.misses += 1
+            if len(cache) >= self.cache_k:
+                cache.popitem(last=False)
+            cache[e] = self._fetch_whole(l, e)
+        return cache[e]
+
+    def _prefetch(self, l: int, x: Tensor) -> None:
+        """FloE: predict layer l's experts and neurons from the current x (1, H); copy their rows ahead."""
+        logits, _, _ = route(self.blocks[l], x)
+        self.prefetched[l] = {}
+        for e in logits.topk(self.blocks[l].gate.top_k, -1).indices[0].tolist():
+            self.prefetched[l][e] = self._rows(l, e, x)
+
+    def _rows(self, l: int, e: int, x: Tensor):
+        idx = (x @ self.up[l, e].T).abs()[0].topk(self.n_keep).indices.sort().values  # (n_keep,) intra-expert
+        rows = self.link.gather(self.host[l, e]["rows"], idx)  # (n_keep, 2, H), one contiguous chunk
+        dev, ready = self.link.copy(rows, l, f"rows {e}")
+        self.stats.bytes[-1] += rows.numel() * rows.element_size()
+        return idx, dev, ready
+
+    # --- the expert layer -----------------------------------------------------------------------
+    def _layer(self, l: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """Layer l's experts for one token x (1, H), routed by the model's own router."""
+        if self.policy == "floe" and l + 1 < self.L and (l + 1) not in self.resident:
+            self._prefetch(l + 1, x)  # issued before this layer computes: the copy overlaps it
+        self.link.compute(l, self.attn_bytes, lambda: None, "attention")
+        if l in self.resident:
+            W = [weights(self.blocks[l], e) for e in top_k_index[0].tolist()]
+            nbytes = 2 * sum(w.numel() for ws in W for w in ws)
+            return self.link.compute(l, nbytes, lambda: sum(_expert(x, *w) * top_k_weights[0, s]
+                                                            for s, w in enumerate(W)), "dense")
+        experts = top_k_index[0].tolist()
+        y = torch.zeros_like(x)
+        for slot, e in enumerate(experts):
+            self.stats.calls += 1
+            if self.policy == "floe":
+                got = self.prefetched.get(l, {}).get(e)
+                if got is None:  # mispredicted expert (or first offloaded layer): synchronous reload
+                    self.stats.misses += 1
+                    got = self._rows(l, e, x)
+                idx, rows, ready = got
+                self.link.wait(ready)
+                nbytes = rows.numel() * rows.element_size() + self.F * self.H // 4  # kept rows + INT2 W_up
+                out = self.link.compute(l, nbytes, lambda r=rows, u=self.up[l, e][idx]: _sparse_expert(x, r, u),
+                                        f"expert {e}")
+            else:
+                Wg, Wu, Wd_t = self._whole(l, e)
+                nbytes = self.expert_bytes()
+                out = self.link.compute(l, nbytes, lambda g=Wg, u=Wu, d=Wd_t: _expert(x, g, u, d.T), f"expert {e}")
+            y += out * top_k_weights[0, slot]
+        self.prefetched.pop(l, None)
+        return y
+
+    @torch.no_grad()
+    def run(self, input_ids: Tensor) -> tuple[Tensor, Stats]:
+        """Decode input_ids (1, T) one token at a time; return the logits (T, V) and the statistics."""
+        saved = [b.experts for b in self.blocks]
+        for l, b in enumerate(self.blocks):
+            b.experts = _Served(self, l, saved[l])
+        try:
+            past, logits = None, []
+            for t in range(input_ids.shape[1]):
+                self.stats.bytes.append(0)
+                t0 = self.link.now()
+                out = self.model(input_ids=input_ids[:, t:t + 1], cache=past, use_cache=True)
+                past = out.cache
+                logits.append(out.logits[0, -1])
+                self.stats.seconds.append(self.link.now() - t0)
+        finally:
+            for b, ex in zip(self.blocks, saved):
+                b.experts = ex
+        return torch.stack(logits), self.stats
+
+
+def _expert(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor) -> Tensor:
+    """Dense expert (Eq. 1): x (1, H), W_gate/W_up (F, H), W_down (H, F)."""
+    return (F_.silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T
+
+
+def _sparse_expert(x: Tensor, rows: Tensor, Wu_kept: Tensor) -> Tensor:
+    """FloE expert on the kept neurons: rows (n, 2, H) = [gate row, down column], Wu_kept (n, H)."""
+    a_up = x @ Wu_kept.T  # (1, n) recomputed with the true input
+    return (F_.silu(x @ rows[:, 0].float().T) * a_up) @ rows[:, 1].float()
+
+
+class _Served(nn.Module):
+    def __init__(self, engine: OffloadEngine, l: int, orig: nn.Module):
+        super().__init__()
+        self.engine, self.l = engine, l
+        self.gate_up_proj, self.down_proj = orig.gate_up_proj, orig.down_proj
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return self.engine._layer(self.l, hidden_states, top_k_index, top_k_weights)

@@ -1,0 +1,67 @@
+"""Group-wise quantization: packing round trips, the RTN closed form, HQQ's solver improving on RTN."""
+
+import pytest
+import torch
+
+from lab.compress import fake_quantize, pack, quantize, unpack
+from lab.compress.quant import shrink_lp
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("k", [1, 7, 10, 64, 70])
+def test_pack_round_trip(nbits, k):
+    q = torch.randint(0, 2**nbits, (5, k), generator=torch.Generator().manual_seed(k), dtype=torch.uint8)
+    assert torch.equal(unpack(pack(q, nbits), nbits, k), q)
+
+
+def test_int2_layout_is_the_kernels():
+    q = torch.tensor([[1, 2, 3, 0, 3]], dtype=torch.uint8)
+    p = pack(q, 2)
+    assert p.dtype == torch.uint8 and p.shape == (1, 2)
+    assert p.tolist() == [[1 | 2 << 2 | 3 << 4, 3]]  # code i of a byte in bits 2i..2i+1
+
+
+def test_rtn_closed_form():
+    """One group [0, 1, 2, 3] at 2 bits: s = 1, z = 0, exact; codes are the values."""
+    W = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    Q = quantize(W, 2, 4, "rtn")
+    assert torch.equal(Q.codes(), torch.tensor([[0, 1, 2, 3]], dtype=torch.uint8))
+    assert torch.allclose(Q.scale, torch.ones(1, 1)) and torch.allclose(Q.zero, torch.zeros(1, 1))
+    assert torch.equal(Q.dequantize(), W)
+
+
+@pytest.mark.parametrize("nbits", [1, 2, 3, 4])
+def test_hqq_beats_rtn_and_error_falls_with_bits(nbits):
+    W = torch.randn(48, 130, generator=torch.Generator().manual_seed(nbits))
+    err = {m: float((W - fake_quantize(W, nbits, 32, m)).abs().mean()) for m in ("rtn", "hqq")}
+    assert err["hqq"] < err["rtn"]
+    if nbits < 4:
+        assert float((W - fake_quantize(W, nbits + 1, 32)).abs().mean()) < err["hqq"]
+
+
+def test_groups_are_independent_and_shapes():
+    W = torch.randn(3, 70)
+    Q = quantize(W, 2, 32)
+    assert Q.scale.shape == Q.zero.shape == (3, 3) and Q.dequantize().shape == (3, 70)
+    W2 = W.clone()
+    W2[:, 40:] *= 100  # other groups must not change the first group's reconstruction
+    assert torch.allclose(quantize(W2, 2, 32).dequantize()[:, :32], Q.dequantize()[:, :32])
+
+
+def test_bits_per_weight_counts_metadata():
+    Q = quantize(torch.randn(8, 128), 2, 64)
+    assert Q.bits_per_weight() == pytest.approx(2 + 2 * 16 / 64)  # codes + fp16 scale & zero per group
+
+
+def test_shrink_lp_reference():
+    x = torch.tensor([-2.0, -0.05, 0.0, 0.05, 2.0])
+    assert torch.allclose(shrink_lp(x, 10.0, 1), torch.tensor([-1.9, 0.0, 0.0, 0.0, 1.9]))
+    y = shrink_lp(x, 10.0, 0.7)
+    assert torch.allclose(y[-1], torch.tensor(2.0 - 0.1 * 2.0 ** -0.3)) and y[1] == 0 and y[3] == 0
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="nbits"):
+        quantize(torch.randn(2, 4), 5)
+    with pytest.raises(ValueError, match="method"):
+        quantize(torch.randn(2, 4), 2, method="gptq")

@@ -1,0 +1,129 @@
+"""FloE pieces against references: the fused-expert views, Eq. 5/6, the FloE expert's two forms, predictors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lab.models.zoo import tiny_mixtral
+from lab.moe import floe as fl
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return tiny_mixtral(vocab_size=40, d_model=32, n_layers=3, n_heads=4, d_ff=48, n_experts=4).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(40, (4, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def xs(model, ids):
+    return fl.capture(model, ids)
+
+
+def test_capture_shapes(model, xs):
+    assert len(xs) == 3 and all(x.shape == (64, 32) for x in xs)
+
+
+def test_weight_views_reproduce_the_moe_block(model, xs):
+    """Σ_e w_e · expert_out(e) with our gate/up/down views equals transformers' fused MoE block."""
+    mlp = fl.moe_blocks(model)[1]
+    ours = fl.moe_out(mlp, xs[1], lambda e, x: fl.expert_out(x, *fl.weights(mlp, e)))
+    with torch.no_grad():
+        ref = mlp(xs[1][None])[0]
+    assert torch.allclose(ours, ref, atol=1e-6)
+
+
+def test_sparsifier_and_variants():
+    a = torch.tensor([-3.0, -0.5, 0.2, 1.0])
+    assert torch.equal(fl.sparsify(a, 1.0), torch.tensor([-3.0, 0.0, 0.0, 1.0]))  # |a| ≥ t is kept (Eq. 5)
+    g = torch.Generator().manual_seed(0)
+    x, Wg, Wu, Wd = (torch.randn(s, generator=g) for s in ((5, 8), (12, 8), (12, 8), (8, 12)))
+    dense = (F.silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T
+    for on in fl.MATRICES:
+        assert torch.allclose(fl.expert_out(x, Wg, Wu, Wd, on, 0.0), dense, atol=1e-6)
+        assert torch.count_nonzero(fl.expert_out(x, Wg, Wu, Wd, on, 1e9)) == 0
+    t = 0.7  # naive per-element reference for the up variant (FloE, Eq. 11)
+    h = torch.zeros(5, 12)
+    for i in range(5):
+        for j in range(12):
+            up = float(x[i] @ Wu[j])
+            h[i, j] = F.silu(x[i] @ Wg[j]) * (up if abs(up) >= t else 0.0)
+    assert torch.allclose(fl.expert_out(x, Wg, Wu, Wd, "up", t), h @ Wd.T, atol=1e-5)
+    with pytest.raises(ValueError, match="activation"):
+        fl.expert_out(x, Wg, Wu, Wd, "attn")
+
+
+def test_quantile_is_eq6():
+    m = torch.tensor([4.0, 1.0, 3.0, 2.0])
+    assert fl._quantile(m, torch.tensor([0.25, 0.5, 0.6, 1.0])).tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_thresholds_per_expert_reach_the_target_sparsity(model, xs):
+    t = fl.thresholds(model, xs, 0.8, "up")
+    assert t.shape == (3, 4)
+    for l, (mlp, x) in enumerate(zip(fl.moe_blocks(model), xs)):
+        _, _, idx = fl.route(mlp, x)
+        for e in range(4):
+            a = fl.activations(x[(idx == e).any(-1)], *fl.weights(mlp, e))["up"].abs()
+            assert (a < t[l, e]).float().mean() == pytest.approx(0.8, abs=0.01)
+    many = fl.thresholds(model, xs, [0.5, 0.8], "gate")
+    assert many.shape == (2, 3, 4) and (many[1] >= many[0]).all()
+    pooled = fl.thresholds(model, xs, 0.8, "up", per_expert=False)
+    assert (pooled == pooled[:, :1]).all()
+
+
+def test_use_experts_swaps_and_restores(model, ids):
+    batch = {"input_ids": ids, "labels": ids}
+    base = fl.eval_loss(model, batch)
+    dense = lambda l, e, x: fl.expert_out(x, *fl.weights(fl.moe_blocks(model)[l], e))
+    assert fl.eval_loss(model, batch, dense) == pytest.approx(base, abs=1e-5)
+    assert fl.eval_loss(model, batch, lambda l, e, x: torch.zeros_like(x), layers=[1]) != pytest.approx(base)
+    assert fl.eval_loss(model, batch) == base
+    assert fl.layer_errors(model, fl.capture(model, ids), dense).abs().max() < 1e-10
+
+
+def test_quant_fn_changes_only_its_matrix(model, xs):
+    err = {m: fl.layer_errors(model, xs, fl.quant_fn(model, m, 1, 16)).mean() for m in fl.MATRICES}
+    assert all(v > 0 for v in err.values())
+    assert fl.layer_errors(model, xs, fl.quant_fn(model, "up", 8, 16)).max() < 1e-3
+
+
+def test_floe_expert_gathered_equals_masked_dense(model, xs):
+    t = fl.thresholds(model, xs, 0.8, "up")
+    experts = fl.floe_experts(model, t)
+    ex = experts[1, 2]
+    x = xs[1][:20]
+    assert torch.allclose(ex.gathered(x), ex(x), atol=1e-5)
+    _, m = ex.mask(x)
+    assert 0 < m.float().mean() < 1
+    ref = fl.expert_out(x, ex.Wg, ex.Wu, ex.Wd_t.T, "up", ex.t)  # same thing through the generic variant
+    assert torch.allclose(ex(x), ref, atol=1e-5)
+    assert ex.Wq_up.nbits == 2 and ex.Wq_up.bits_per_weight() == pytest.approx(2 + 32 / 32)  # one group per row
+
+
+def test_predictors_perfect_when_layers_agree(model, xs):
+    stats = fl.predictor_stats(model, [xs[1], xs[1], xs[1]], 0.25)
+    assert [s["layer"] for s in stats] == [1, 2]
+    for s in stats:
+        assert s["cos"] == pytest.approx(1.0) and s["intra"] == pytest.approx(1.0) and s["inter"] == 1.0
+    real = fl.predictor_stats(model, xs, 0.25)
+    assert all(0 <= s[k] <= 1 for s in real for k in ("inter", "intra"))
+
+
+def test_inter_predictor_learns_the_next_router(model, xs):
+    nxt = fl.moe_blocks(model)[2]
+    logits = fl.route(nxt, xs[2])[0].detach()
+    net = fl.train_inter_predictor(xs[1], logits, nxt.gate.weight.detach(), epochs=30, lr=1e-2, batch=16)
+    assert net(xs[1]).shape == (64, 4)
+    mlp = fl.train_inter_predictor(xs[1], logits, nxt.gate.weight.detach(), hidden=16, epochs=2)
+    assert mlp(xs[1]).shape == (64, 4)
+
+
+def test_shifted_exponential_fit():
+    z = torch.distributions.Exponential(10.0).sample((200_000,))
+    lam, c = fl.fit_shifted_exponential(z - fl.SILU_MIN)
+    assert lam == pytest.approx(10.0, rel=0.02) and c == pytest.approx(-F.silu(torch.tensor(-1.2785)).item(), abs=1e-4)
