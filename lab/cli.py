@@ -198,6 +198,23 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """`bench floe`: the offload policies on the FloE toy, as ratios (and the CUDA kernels on a GPU)."""
+    from lab.core.session import setup
+
+    P = setup("smoke", args.device, args.seed, "tiny", quiet=True)
+    if args.pcie <= 0:
+        raise UsageError(f"--pcie must be a positive bandwidth in GB/s, got {args.pcie}.")
+    from lab.moe.bench import floe_bench, report
+
+    print(report(floe_bench(P.seed, P.device, args.pcie), P.device))
+    if P.device == "cuda":
+        from kernels import floe as kf
+
+        print("kernels (ms, speedup vs the dense torch expert):", json.dumps(kf.bench(), indent=1, default=str))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lab", description="Run the lab's notebooks and report them.")
     ap.add_argument("--notebooks", type=Path, default=NOTEBOOKS, help=argparse.SUPPRESS)
@@ -212,9 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     lst.add_argument("--out", default="reports")
     rep = sub.add_parser("report", help="re-render HTML and the index from executed notebooks")
     rep.add_argument("--out", default="reports")
+    bench = sub.add_parser("bench", help="benchmarks: `bench floe` (offload policies as ratios)")
+    bench.add_argument("what", choices=["floe"])
+    bench.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--pcie", type=float, default=25.0, help="simulated host-to-device GB/s (CPU only)")
     args = ap.parse_args(argv)
     try:
-        return {"run": cmd_run, "list": cmd_list, "report": cmd_report}[args.cmd](args)
+        return {"run": cmd_run, "list": cmd_list, "report": cmd_report, "bench": cmd_bench}[args.cmd](args)
     except (UsageError, ParamError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -176,16 +176,17 @@ def sparse_fn(model: nn.Module, t: Tensor, on: str) -> ExpertFn:
     return lambda l, e, x: expert_out(x, *weights(blocks[l], e), on=on, t=float(t[l, e]))
 
 
-def quant_fn(model: nn.Module, matrix: str, nbits: int, group_size: int = 64) -> ExpertFn:
-    """Expert function with one matrix of every expert fake-quantized (HQQ) to `nbits` (per-matrix sensitivity)."""
+def quant_fn(model: nn.Module, matrix: str | tuple[str, ...], nbits: int, group_size: int = 64) -> ExpertFn:
+    """Expert function with `matrix` (or several) of every expert fake-quantized with HQQ to `nbits`."""
     blocks = moe_blocks(model)
-    pos = MATRICES.index(matrix)
+    pos = [MATRICES.index(m) for m in ((matrix,) if isinstance(matrix, str) else matrix)]
     cache = {}
 
     def fn(l: int, e: int, x: Tensor) -> Tensor:
         if (l, e) not in cache:
-            W = list(weights(blocks[l], e))
-            W[pos] = fake_quantize(W[pos].detach(), nbits, group_size)
+            W = [w.detach() for w in weights(blocks[l], e)]
+            for p in pos:
+                W[p] = fake_quantize(W[p], nbits, group_size)
             cache[l, e] = W
         return expert_out(x, *cache[l, e])
 

@@ -21,13 +21,15 @@ def curve(y: Sequence[float], *, title: str, xlabel: str = "step", ylabel: str =
 
 
 def lines(x: Sequence, ys: dict[str, Sequence[float]], *, title: str, xlabel: str = "", ylabel: str = "",
-          dash: Callable[[str], bool] | None = None) -> go.Figure:
+          dash: Callable[[str], bool] | None = None, log_y: bool = False) -> go.Figure:
     """Several named curves over the same x (`dash(name)` True draws that one dashed)."""
     fig = go.Figure()
     for name, y in ys.items():
         fig.add_scatter(x=list(x), y=list(y), mode="lines+markers", name=name,
                         line=dict(dash="dash" if dash and dash(name) else "solid"))
     fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title=ylabel, height=360, margin=dict(t=50, b=40))
+    if log_y:
+        fig.update_yaxes(type="log")
     return fig
 
 
