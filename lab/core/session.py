@@ -38,6 +38,8 @@ def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str 
     """
     global _quiet
     params = validate(scale, device, seed, model)
+    if params.device != "cuda":  # Triton kernels (kernels/) then run on CPU through the interpreter; the flag is
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton first loads (set_seed, torch.compile, ...)
     import torch
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",

@@ -1,0 +1,286 @@
+"""FloE's sparse expert kernels in Triton, each beside a pure-torch reference (FloE, ICML 2025, Alg. 1, Sec. 3.4).
+
+A Mixtral expert computes y = (SiLU(x W_gateᵀ) ⊙ (x W_upᵀ)) W_downᵀ. FloE keeps W_up resident in INT2 (HQQ,
+group-wise), computes a_up = x W_upᵀ first, and keeps only the neurons j with |a_up_j| ≥ t (contextual sparsity),
+so only row j of W_gate and row j of W_downᵀ are fetched and multiplied. For one decoding token (GEMV):
+
+- `masked_gate_up`: h_j = SiLU(W_gate[j]·x) · a_up_j on kept rows, 0 elsewhere; one program per BLOCK_F rows,
+  masked-off rows are never loaded, the H loop runs in BLOCK_H chunks with fp32 accumulation.
+- `masked_down`: y = Σ_{j kept} h_j · W_downᵀ[j]; a grid over (F blocks, H blocks) whose partial sums meet in a
+  zero-initialised fp32 output through `tl.atomic_add` (as FloE and CATS do).
+- `int2_gemv`: a_up = W_up x with W_up unpacked from 2-bit codes and dequantized in registers.
+- `gather_rows`: kept gate row j and down row j side by side, FloE's compact transfer layout.
+
+Entry points take torch tensors, check shapes (ValueError), allocate the output and launch a kernel with a fixed
+config; this path also runs on CPU tensors under the Triton interpreter (`TRITON_INTERPRET=1`, read when
+`@triton.jit` decorates, so set it before importing). Loop bounds (H, K) are `tl.constexpr` because the interpreter
+cannot loop to a runtime int. `autotune=True` selects `@triton.autotune` wrappers of the same kernels; they are built
+lazily on first use, CUDA only, because autotuning fails under the interpreter. `bench` times dense vs sparse on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# ----------------------------------------------------------------------------------------------- torch references
+
+
+def masked_gate_up_ref(x: Tensor, w_gate: Tensor, a_up: Tensor, mask: Tensor) -> Tensor:
+    """h = SiLU(W_gate x) ⊙ a_up on kept neurons, 0 elsewhere. x (H,), w_gate (F, H), a_up (F,), mask (F,) -> (F,)."""
+    h = F.silu(w_gate.float() @ x.float()) * a_up.float()
+    return torch.where(mask, h, torch.zeros_like(h))
+
+
+def masked_down_ref(h: Tensor, w_down_t: Tensor, mask: Tensor) -> Tensor:
+    """y = Σ_{j: mask_j} h_j W_downᵀ[j]. h (F,), w_down_t (F, H), mask (F,) -> (H,) fp32."""
+    return (h.float() * mask.float()) @ w_down_t.float()
+
+
+def pack_int2(q: Tensor) -> Tensor:
+    """Codes q (N, K) in {0..3} -> uint8 (N, ceil(K/4)), packed[n, c] = Σ_i q[n, 4c+i] << 2i (K padded with 0)."""
+    n, k = q.shape
+    qp = torch.zeros(n, 4 * math.ceil(k / 4), dtype=torch.int32, device=q.device)
+    qp[:, :k] = q.to(torch.int32)
+    shifts = torch.arange(4, dtype=torch.int32, device=q.device) * 2
+    return (qp.reshape(n, -1, 4) << shifts).sum(-1).to(torch.uint8)  # disjoint bit fields: sum == or
+
+
+def unpack_int2(packed: Tensor, k: int) -> Tensor:
+    """Inverse of `pack_int2`: uint8 (N, ceil(K/4)) -> codes (N, K) uint8."""
+    shifts = torch.arange(4, dtype=torch.int32, device=packed.device) * 2
+    q = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 3  # (N, C, 4)
+    return q.reshape(packed.shape[0], -1)[:, :k].to(torch.uint8)
+
+
+def int2_gemv_ref(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size: int, k: int) -> Tensor:
+    """Dequantize W[n, k] = (q − zero[n, k // gs]) · scale[n, k // gs], then y = W x. x (K,) -> (N,) fp32."""
+    g = torch.arange(k, device=packed.device) // group_size
+    W = (unpack_int2(packed, k).float() - zero[:, g].float()) * scale[:, g].float()  # (N, K)
+    return W @ x.float()
+
+
+def gather_rows_ref(w_gate: Tensor, w_down_t: Tensor, idx: Tensor) -> Tensor:
+    """Staging (len(idx), 2, H): [i, 0] = W_gate[idx_i], [i, 1] = W_downᵀ[idx_i]."""
+    return torch.stack([w_gate[idx], w_down_t[idx]], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------- Triton kernels
+
+
+@triton.jit
+def _masked_gate_up_kernel(x_ptr, wg_ptr, a_ptr, m_ptr, h_ptr, F, stride_wg, H: tl.constexpr,
+                           BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)  # (BLOCK_F,) neurons j
+    in_f = rows < F
+    keep = (tl.load(m_ptr + rows, mask=in_f, other=0) != 0) & in_f
+    acc = tl.zeros([BLOCK_F], dtype=tl.float32)  # W_gate[j] · x
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        in_h = cols < H
+        xv = tl.load(x_ptr + cols, mask=in_h, other=0.0).to(tl.float32)  # (BLOCK_H,)
+        w = tl.load(wg_ptr + rows[:, None] * stride_wg + cols[None, :], mask=keep[:, None] & in_h[None, :],
+                    other=0.0).to(tl.float32)  # (BLOCK_F, BLOCK_H); masked-off rows are not read
+        acc += tl.sum(w * xv[None, :], axis=1)
+    a = tl.load(a_ptr + rows, mask=keep, other=0.0).to(tl.float32)
+    h = tl.where(keep, acc * tl.sigmoid(acc) * a, 0.0)  # SiLU(g) ⊙ a_up
+    tl.store(h_ptr + rows, h, mask=in_f)
+
+
+@triton.jit
+def _masked_down_kernel(h_ptr, wd_ptr, m_ptr, y_ptr, F, H, stride_wd, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)  # (BLOCK_F,) neurons j
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,) outputs
+    in_f, in_h = rows < F, cols < H
+    keep = (tl.load(m_ptr + rows, mask=in_f, other=0) != 0) & in_f
+    hv = tl.load(h_ptr + rows, mask=keep, other=0.0).to(tl.float32)
+    w = tl.load(wd_ptr + rows[:, None] * stride_wd + cols[None, :], mask=keep[:, None] & in_h[None, :],
+                other=0.0).to(tl.float32)  # (BLOCK_F, BLOCK_H)
+    tl.atomic_add(y_ptr + cols, tl.sum(w * hv[:, None], axis=0), mask=in_h)  # partial sum over this row block
+
+
+@triton.jit
+def _int2_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, stride_q, stride_s, K: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) outputs n
+    in_n = rows < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,) inputs k
+        in_k = cols < K
+        m2 = in_n[:, None] & in_k[None, :]
+        xv = tl.load(x_ptr + cols, mask=in_k, other=0.0).to(tl.float32)
+        byte = tl.load(q_ptr + rows[:, None] * stride_q + (cols // 4)[None, :], mask=m2, other=0).to(tl.int32)
+        q = ((byte >> ((cols % 4) * 2)[None, :]) & 3).to(tl.float32)  # (BLOCK_N, BLOCK_K) codes
+        g = rows[:, None] * stride_s + (cols // GROUP)[None, :]
+        s = tl.load(s_ptr + g, mask=m2, other=0.0)
+        z = tl.load(z_ptr + g, mask=m2, other=0.0)
+        acc += tl.sum((q - z) * s * xv[None, :], axis=1)
+    tl.store(y_ptr + rows, acc, mask=in_n)
+
+
+@triton.jit
+def _gather_rows_kernel(wg_ptr, wd_ptr, idx_ptr, out_ptr, H, stride_wg, stride_wd, BLOCK_H: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_h = cols < H
+    j = tl.load(idx_ptr + i).to(tl.int64)
+    tl.store(out_ptr + i * 2 * H + cols, tl.load(wg_ptr + j * stride_wg + cols, mask=in_h), mask=in_h)
+    tl.store(out_ptr + (i * 2 + 1) * H + cols, tl.load(wd_ptr + j * stride_wd + cols, mask=in_h), mask=in_h)
+
+
+_FIXED = {"gate_up": {"BLOCK_F": 16, "BLOCK_H": 64}, "down": {"BLOCK_F": 32, "BLOCK_H": 64},
+          "int2": {"BLOCK_N": 16, "BLOCK_K": 64}}
+
+
+@functools.cache
+def _tuned(name: str):
+    """`@triton.autotune` wrapper of one kernel, built on first use (never at import: the interpreter rejects it)."""
+    C = triton.Config
+    if name == "gate_up":
+        cfg = [C({"BLOCK_F": f, "BLOCK_H": h}, num_warps=w) for f in (8, 16, 32) for h in (128, 256, 512)
+               for w in (4, 8)]
+        return triton.autotune(cfg, key=["F", "H"])(_masked_gate_up_kernel)
+    if name == "down":
+        cfg = [C({"BLOCK_F": f, "BLOCK_H": h}, num_warps=w) for f in (32, 64, 128) for h in (64, 128, 256)
+               for w in (4, 8)]
+        return triton.autotune(cfg, key=["F", "H"], reset_to_zero=["y_ptr"])(_masked_down_kernel)
+    cfg = [C({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8)]
+    return triton.autotune(cfg, key=["N", "K"])(_int2_gemv_kernel)
+
+
+def _launch(name: str, kernel, grid, autotune: bool, *args, **kw) -> None:
+    if autotune:
+        if not args[0].is_cuda or type(kernel).__name__ == "InterpretedFunction":
+            raise ValueError("autotune=True needs CUDA tensors and TRITON_INTERPRET unset; use the fixed config.")
+        _tuned(name)[grid](*args, **kw)
+    else:
+        kernel[grid](*args, **kw, **_FIXED[name])
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+# ----------------------------------------------------------------------------------------------- entry points
+
+
+def masked_gate_up(x: Tensor, w_gate: Tensor, a_up: Tensor, mask: Tensor, *, autotune: bool = False) -> Tensor:
+    """FloE Alg. 1 gate step: h_j = SiLU(W_gate[j]·x) · a_up_j if mask_j else 0. x (H,), w_gate (F, H) -> (F,) fp32."""
+    _check(x.dim() == 1 and w_gate.dim() == 2 and w_gate.shape[1] == x.shape[0] and a_up.shape == mask.shape
+           == w_gate.shape[:1] and mask.dtype == torch.bool,
+           f"masked_gate_up needs x (H,), w_gate (F, H), a_up (F,) and a bool mask (F,); got {tuple(x.shape)}, "
+           f"{tuple(w_gate.shape)}, {tuple(a_up.shape)}, {tuple(mask.shape)} {mask.dtype}.")
+    n_ff, n_h = w_gate.shape
+    x, w_gate, a_up, m = x.contiguous(), w_gate.contiguous(), a_up.contiguous(), mask.contiguous().view(torch.uint8)
+    h = torch.empty(n_ff, dtype=torch.float32, device=x.device)
+    grid = lambda meta: (triton.cdiv(n_ff, meta["BLOCK_F"]),)
+    _launch("gate_up", _masked_gate_up_kernel, grid, autotune, x, w_gate, a_up, m, h, n_ff, w_gate.stride(0), n_h)
+    return h
+
+
+def masked_down(h: Tensor, w_down_t: Tensor, mask: Tensor, *, autotune: bool = False) -> Tensor:
+    """FloE Alg. 1 down step: y = Σ_{j: mask_j} h_j · W_downᵀ[j]. h (F,), w_down_t (F, H), mask (F,) -> (H,) fp32."""
+    _check(h.dim() == 1 and w_down_t.dim() == 2 and h.shape == mask.shape == w_down_t.shape[:1]
+           and mask.dtype == torch.bool,
+           f"masked_down needs h (F,), w_down_t (F, H) and a bool mask (F,); got {tuple(h.shape)}, "
+           f"{tuple(w_down_t.shape)}, {tuple(mask.shape)} {mask.dtype}.")
+    n_ff, n_h = w_down_t.shape
+    h, w_down_t, m = h.contiguous(), w_down_t.contiguous(), mask.contiguous().view(torch.uint8)
+    y = torch.zeros(n_h, dtype=torch.float32, device=h.device)  # atomic_add target
+    grid = lambda meta: (triton.cdiv(n_ff, meta["BLOCK_F"]), triton.cdiv(n_h, meta["BLOCK_H"]))
+    _launch("down", _masked_down_kernel, grid, autotune, h, w_down_t, m, y, n_ff, n_h, w_down_t.stride(0))
+    return y
+
+
+def int2_gemv(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size: int, k: int, *,
+              autotune: bool = False) -> Tensor:
+    """a_up = W_up x with W_up INT2 (HQQ layout of `pack_int2`, float32 scale/zero (N, ceil(K/gs))) -> (N,) fp32."""
+    n = packed.shape[0] if packed.dim() == 2 else -1
+    g = math.ceil(k / group_size) if group_size >= 1 else -1
+    _check(k >= 1 and x.shape == (k,) and packed.dtype == torch.uint8 and packed.shape == (n, math.ceil(k / 4))
+           and scale.shape == zero.shape == (n, g),
+           f"int2_gemv needs x ({k},), uint8 packed (N, {math.ceil(k / 4)}) and scale/zero (N, ceil(K/group_size)) "
+           f"with group_size ≥ 1; got {tuple(x.shape)}, {tuple(packed.shape)} {packed.dtype}, {tuple(scale.shape)}, "
+           f"{tuple(zero.shape)}, group_size={group_size}.")
+    x, packed = x.contiguous(), packed.contiguous()
+    scale, zero = scale.float().contiguous(), zero.float().contiguous()
+    y = torch.empty(n, dtype=torch.float32, device=x.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)
+    _launch("int2", _int2_gemv_kernel, grid, autotune, x, packed, scale, zero, y, n, packed.stride(0),
+            scale.stride(0), k, group_size)
+    return y
+
+
+def gather_rows(w_gate: Tensor, w_down_t: Tensor, idx: Tensor) -> Tensor:
+    """FloE's compact transfer layout (Sec. 3.4): staging (len(idx), 2, H) with gate row j and down row j adjacent.
+
+    idx (n,) integer neuron indices, each in [0, F) (not checked: that would synchronise with the GPU)."""
+    _check(w_gate.dim() == 2 and w_gate.shape == w_down_t.shape and w_gate.dtype == w_down_t.dtype
+           and idx.dim() == 1 and not idx.is_floating_point(),
+           f"gather_rows needs w_gate and w_down_t of one shape (F, H) and dtype, and integer idx (n,); got "
+           f"{tuple(w_gate.shape)} {w_gate.dtype}, {tuple(w_down_t.shape)} {w_down_t.dtype}, {tuple(idx.shape)}.")
+    w_gate, w_down_t, idx = w_gate.contiguous(), w_down_t.contiguous(), idx.contiguous()
+    n_h = w_gate.shape[1]
+    out = torch.empty(idx.numel(), 2, n_h, dtype=w_gate.dtype, device=w_gate.device)
+    if idx.numel():
+        grid = (idx.numel(), triton.cdiv(n_h, 64))
+        _gather_rows_kernel[grid](w_gate, w_down_t, idx, out, n_h, w_gate.stride(0), w_down_t.stride(0), BLOCK_H=64)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- GPU benchmark
+
+
+def _ms(fn, warmup: int = 10, reps: int = 50) -> float:
+    """Median milliseconds of `fn()` over `reps` CUDA-event-timed runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench(n_hidden: int = 4096, n_ff: int = 14336, keep: tuple[float, ...] = (0.5, 0.3, 0.1), device: str = "cuda",
+          dtype: torch.dtype = torch.float16, group_size: int = 64, autotune: bool = True) -> dict:
+    """Dense torch expert GEMV vs FloE's sparse kernels at each keep fraction, and torch INT2 reference vs `int2_gemv`.
+
+    Returns plain numbers: {"dense_ms", "sparse": {keep: {"ms", "speedup"}}, "int2_ref_ms", "int2_ms", "int2_speedup",
+    "up_dense_ms"} (sparse = masked_gate_up + masked_down given a_up and the mask)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    r = lambda *s: (torch.randn(*s, generator=gen) / math.sqrt(s[-1])).to(device, dtype)
+    x, Wg, Wu, Wd = r(n_hidden), r(n_ff, n_hidden), r(n_ff, n_hidden), r(n_hidden, n_ff)  # transformers' layout
+    Wd_t = Wd.T.contiguous()
+    dense = lambda: F.linear(F.silu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)
+    out = {"dense_ms": _ms(dense), "sparse": {}}
+    a_up = F.linear(x, Wu).float()
+    for frac in keep:
+        mask = torch.zeros(n_ff, dtype=torch.bool, device=device)
+        mask[a_up.abs().topk(max(1, round(frac * n_ff))).indices] = True  # |a_up| ≥ t at this keep fraction
+        ms = _ms(lambda m=mask: masked_down(masked_gate_up(x, Wg, a_up, m, autotune=autotune), Wd_t, m,
+                                            autotune=autotune))
+        out["sparse"][frac] = {"ms": ms, "speedup": out["dense_ms"] / ms}
+    ng = math.ceil(n_hidden / group_size)
+    q = torch.randint(0, 4, (n_ff, n_hidden), generator=gen).to(device)
+    packed = pack_int2(q)
+    scale = (torch.rand(n_ff, ng, generator=gen) * 0.02).to(device)
+    zero = torch.full((n_ff, ng), 1.5, device=device)
+    out["up_dense_ms"] = _ms(lambda: F.linear(x, Wu))
+    out["int2_ref_ms"] = _ms(lambda: int2_gemv_ref(x, packed, scale, zero, group_size, n_hidden))
+    out["int2_ms"] = _ms(lambda: int2_gemv(x, packed, scale, zero, group_size, n_hidden, autotune=autotune))
+    out["int2_speedup"] = out["int2_ref_ms"] / out["int2_ms"]
+    return out

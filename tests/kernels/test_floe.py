@@ -1,0 +1,237 @@
+"""FloE's Triton kernels against their torch references: on CPU through the interpreter (small, ragged sizes),
+and on CUDA at Mixtral size (`@pytest.mark.gpu`, run by `make test-gpu`)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import floe as kf
+
+H, FF, K = 70, 131, 70  # ragged: no size is a multiple of any block
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def rand(*shape, seed=0, dtype=torch.float32, device="cpu"):
+    """N(0, 1) vectors; matrices scaled by 1/sqrt(fan-in) so that every activation is O(1)."""
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return (t / math.sqrt(shape[-1]) if len(shape) == 2 else t).to(device, dtype)
+
+
+def masks(n):
+    """Edge cases and a random one, each (F,) bool."""
+    none, every, first, last, one = (torch.zeros(n, dtype=torch.bool) for _ in range(5))
+    every[:], first[0], last[-1], one[n // 2 + 3] = True, True, True, True
+    rnd = torch.rand(n, generator=torch.Generator().manual_seed(7)) < 0.3
+    return {"none": none, "all": every, "first": first, "last": last, "single": one, "random": rnd}
+
+
+MASKS = masks(FF)
+
+
+@pytest.fixture(scope="module")
+def expert():
+    """x (H,), W_gate (F, H), W_up (F, H), W_down (H, F) in transformers' layout."""
+    return rand(H, seed=1), rand(FF, H, seed=2), rand(FF, H, seed=3), rand(H, FF, seed=4)
+
+
+def dense_expert(x, Wg, Wu, Wd):
+    return (F.silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masked_gate_up(expert, name):
+    x, Wg, Wu, _ = expert
+    mask, a_up = MASKS[name], Wu @ x
+    h = kf.masked_gate_up(x, Wg, a_up, mask)
+    assert h.dtype == torch.float32 and h.shape == (FF,)
+    torch.testing.assert_close(h, kf.masked_gate_up_ref(x, Wg, a_up, mask), **TOL)
+    assert (h[~mask] == 0).all()
+    if name == "none":
+        assert (h == 0).all()
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masked_down(expert, name):
+    _, _, _, Wd = expert
+    mask, h = MASKS[name], rand(FF, seed=5)
+    y = kf.masked_down(h, Wd.T.contiguous(), mask)
+    assert y.dtype == torch.float32 and y.shape == (H,)
+    torch.testing.assert_close(y, kf.masked_down_ref(h, Wd.T, mask), **TOL)
+    if name == "none":
+        assert (y == 0).all()
+    if name == "single":
+        j = int(mask.nonzero())
+        torch.testing.assert_close(y, h[j] * Wd[:, j], **TOL)
+
+
+def test_full_mask_is_the_dense_expert(expert):
+    x, Wg, Wu, Wd = expert
+    every = MASKS["all"]
+    y = kf.masked_down(kf.masked_gate_up(x, Wg, Wu @ x, every), Wd.T.contiguous(), every)
+    torch.testing.assert_close(y, dense_expert(x, Wg, Wu, Wd), **TOL)
+
+
+def test_sparse_expert_equals_zeroed_neurons(expert):
+    """Keeping neurons with |a_up| ≥ t equals the dense expert with the other W_up rows zeroed."""
+    x, Wg, Wu, Wd = expert
+    a_up = Wu @ x
+    mask = a_up.abs() >= a_up.abs().quantile(0.7)
+    y = kf.masked_down(kf.masked_gate_up(x, Wg, a_up, mask), Wd.T.contiguous(), mask)
+    torch.testing.assert_close(y, dense_expert(x, Wg, Wu * mask[:, None], Wd), **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_accumulate_in_fp32(expert, dtype):
+    x, Wg, Wu, Wd = (t.to(dtype) for t in expert)
+    mask, a_up = MASKS["random"], (Wu.float() @ x.float())
+    h = kf.masked_gate_up(x, Wg, a_up, mask)
+    torch.testing.assert_close(h, kf.masked_gate_up_ref(x, Wg, a_up, mask), **TOL)
+    Wd_t = Wd.T.contiguous()
+    torch.testing.assert_close(kf.masked_down(h.to(dtype), Wd_t, mask), kf.masked_down_ref(h.to(dtype), Wd_t, mask),
+                               **TOL)
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 5, 70, 96])
+def test_pack_unpack_round_trip(k):
+    q = torch.randint(0, 4, (9, k), generator=torch.Generator().manual_seed(k))
+    packed = kf.pack_int2(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (9, math.ceil(k / 4))
+    assert torch.equal(kf.unpack_int2(packed, k), q.to(torch.uint8))
+
+
+def test_pack_layout():
+    q = torch.tensor([[1, 2, 3, 0, 3]])
+    assert kf.pack_int2(q).tolist() == [[1 | 2 << 2 | 3 << 4, 3]]
+
+
+def int2_weight(n, k, group_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ng = math.ceil(k / group_size)
+    q = torch.randint(0, 4, (n, k), generator=g)
+    return q, kf.pack_int2(q), torch.rand(n, ng, generator=g) * 0.1 + 0.01, torch.rand(n, ng, generator=g) * 3
+
+
+@pytest.mark.parametrize("group_size", [16, 32, 64])
+def test_int2_gemv(group_size):
+    q, packed, scale, zero = int2_weight(FF, K, group_size)
+    x = rand(K, seed=9)
+    idx = torch.arange(K) // group_size
+    W = (q.float() - zero[:, idx]) * scale[:, idx]  # dequantize, then matmul
+    y = kf.int2_gemv(x, packed, scale, zero, group_size, K)
+    assert y.dtype == torch.float32 and y.shape == (FF,)
+    torch.testing.assert_close(y, W @ x, **TOL)
+    torch.testing.assert_close(kf.int2_gemv_ref(x, packed, scale, zero, group_size, K), W @ x, **TOL)
+
+
+def test_int2_gemv_reads_the_lab_quantizer_format():
+    from lab.compress.quant import quantize
+
+    W, x = rand(37, K, seed=11), rand(K, seed=12)
+    qt = quantize(W, nbits=2, group_size=32, method="rtn")
+    torch.testing.assert_close(kf.int2_gemv(x, qt.packed, qt.scale, qt.zero, 32, K), qt.dequantize() @ x, **TOL)
+
+
+def test_gather_rows(expert):
+    _, Wg, _, Wd = expert
+    Wd_t = Wd.T.contiguous()
+    for idx in (torch.tensor([5, 0, FF - 1, 7]), MASKS["random"].nonzero().squeeze(1), torch.arange(0)):
+        out = kf.gather_rows(Wg, Wd_t, idx)
+        assert out.shape == (len(idx), 2, H)
+        assert torch.equal(out, kf.gather_rows_ref(Wg, Wd_t, idx))
+        if len(idx):
+            assert torch.equal(out[0, 0], Wg[idx[0]]) and torch.equal(out[0, 1], Wd[:, idx[0]])
+
+
+def packed(n, k):
+    return kf.pack_int2(torch.zeros(n, k, dtype=torch.long))
+
+
+BAD = {
+    "gate_up x length": lambda x, Wg, a, m, Wd: kf.masked_gate_up(x[:-1], Wg, a, m),
+    "gate_up a_up length": lambda x, Wg, a, m, Wd: kf.masked_gate_up(x, Wg, a[:-1], m),
+    "gate_up float mask": lambda x, Wg, a, m, Wd: kf.masked_gate_up(x, Wg, a, m.float()),
+    "gate_up 1-D weight": lambda x, Wg, a, m, Wd: kf.masked_gate_up(x, Wg[0], a, m),
+    "down untransposed": lambda x, Wg, a, m, Wd: kf.masked_down(a, Wd, m),
+    "down h length": lambda x, Wg, a, m, Wd: kf.masked_down(a[:-1], Wd.T, m),
+    "int2 packed width": lambda x, *_: kf.int2_gemv(x, packed(4, K + 8), torch.ones(4, 3), torch.ones(4, 3), 32, K),
+    "int2 groups": lambda x, *_: kf.int2_gemv(x, packed(4, K), torch.ones(4, 2), torch.ones(4, 2), 32, K),
+    "int2 scale/zero": lambda x, *_: kf.int2_gemv(x, packed(4, K), torch.ones(4, 3), torch.ones(5, 3), 32, K),
+    "int2 dtype": lambda x, *_: kf.int2_gemv(x, packed(4, K).int(), torch.ones(4, 3), torch.ones(4, 3), 32, K),
+    "int2 group_size 0": lambda x, *_: kf.int2_gemv(x, packed(4, K), torch.ones(4, 3), torch.ones(4, 3), 0, K),
+    "gather shapes": lambda x, Wg, a, m, Wd: kf.gather_rows(Wg, Wd, torch.tensor([0])),
+    "gather float idx": lambda x, Wg, a, m, Wd: kf.gather_rows(Wg, Wd.T, torch.tensor([0.0])),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_shapes_raise(expert, case):
+    x, Wg, Wu, Wd = expert
+    with pytest.raises(ValueError, match="needs"):
+        BAD[case](x, Wg, Wu @ x, MASKS["random"], Wd)
+
+
+def test_autotune_is_lazy_and_gpu_only(expert):
+    import triton
+
+    assert not any(isinstance(v, triton.runtime.Autotuner) for v in vars(kf).values())
+    x, Wg, Wu, _ = expert
+    with pytest.raises(ValueError, match="CUDA"):
+        kf.masked_gate_up(x, Wg, Wu @ x, MASKS["all"], autotune=True)
+
+
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs CUDA with TRITON_INTERPRET unset (make test-gpu)")
+class TestCuda:
+    """The same checks at Mixtral-8x7B expert size (H=4096, F=14336) in fp16, then the benchmark."""
+
+    Hm, Fm = 4096, 14336
+    TOLG = {"rtol": 2e-3, "atol": 2e-3}
+
+    @pytest.fixture(scope="class")
+    def big(self):
+        """x (H,), W_gate, W_up (F, H), W_down (H, F), fp16 on CUDA."""
+        shapes = [(self.Hm,), (self.Fm, self.Hm), (self.Fm, self.Hm), (self.Hm, self.Fm)]
+        return [rand(*s, seed=i, dtype=torch.float16, device="cuda") for i, s in enumerate(shapes, start=1)]
+
+    @pytest.mark.parametrize("autotune", [False, True])
+    def test_sparse_expert(self, big, autotune):
+        x, Wg, Wu, Wd = big
+        a_up = Wu.float() @ x.float()
+        Wd_t = Wd.T.contiguous()
+        for mask in (a_up.abs() >= a_up.abs().quantile(0.9), torch.ones_like(a_up, dtype=torch.bool),
+                     torch.zeros_like(a_up, dtype=torch.bool)):
+            h = kf.masked_gate_up(x, Wg, a_up, mask, autotune=autotune)
+            torch.testing.assert_close(h, kf.masked_gate_up_ref(x, Wg, a_up, mask), **self.TOLG)
+            y = kf.masked_down(h, Wd_t, mask, autotune=autotune)
+            torch.testing.assert_close(y, kf.masked_down_ref(h, Wd_t, mask), **self.TOLG)
+        dense = dense_expert(*(t.float() for t in big))
+        every = torch.ones_like(a_up, dtype=torch.bool)
+        y = kf.masked_down(kf.masked_gate_up(x, Wg, a_up, every, autotune=autotune), Wd_t, every, autotune=autotune)
+        torch.testing.assert_close(y, dense, **self.TOLG)
+
+    @pytest.mark.parametrize("autotune", [False, True])
+    def test_int2_gemv(self, big, autotune):
+        x = big[0]
+        _, pk, scale, zero = (t.cuda() for t in int2_weight(self.Fm, self.Hm, 64))
+        y = kf.int2_gemv(x, pk, scale, zero, 64, self.Hm, autotune=autotune)
+        torch.testing.assert_close(y, kf.int2_gemv_ref(x, pk, scale, zero, 64, self.Hm), **self.TOLG)
+
+    def test_gather_rows(self, big):
+        _, Wg, _, Wd = big
+        idx = torch.randperm(self.Fm, device="cuda")[: self.Fm // 10]
+        Wd_t = Wd.T.contiguous()
+        assert torch.equal(kf.gather_rows(Wg, Wd_t, idx), kf.gather_rows_ref(Wg, Wd_t, idx))
+
+    def test_bench(self):
+        r = kf.bench()
+        print(r)
+        assert r["sparse"][0.1]["ms"] < 2 * r["dense_ms"]
+        assert all(v > 0 for v in (r["dense_ms"], r["int2_ms"], r["int2_ref_ms"]))

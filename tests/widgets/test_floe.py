@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from lab.moe.offload import Span
+from lab.widgets.floe import activation_explorer, bytes_figure, histogram_figure, offload_explorer, timeline_figure
+
+
+def acts():
+    g = torch.Generator().manual_seed(0)
+    return {(l, e): {"gate": torch.randn(50, 16, generator=g), "up": torch.randn(50, 16, generator=g),
+                     "down": torch.randn(50, 16, generator=g)} for l in (1, 2) for e in (0, 1)}
+
+
+def test_histogram_dropdown_and_thresholds():
+    a = acts()
+    fig = histogram_figure(a, 0.8, bins=10)
+    assert len(fig.data) == 4 * 3 and [t.visible for t in fig.data[:4]] == [True, True, True, False]
+    assert sum(fig.data[0].y) == pytest.approx(1.0)  # shares of (token, neuron)
+    t_up = float(torch.quantile(a[1, 0]["up"].abs().flatten(), 0.8))
+    assert fig.layout.shapes[1].x0 == pytest.approx(t_up)
+    assert len(fig.layout.updatemenus[0].buttons) == 4
+
+
+def test_activation_explorer_follows_controls():
+    box = activation_explorer(acts())
+    box.controls[0].value = (2, 1)
+    box.controls[1].value = 0.5
+    t = float(torch.quantile(acts()[2, 1]["gate"].abs().flatten(), 0.5))
+    assert box.figure.layout.shapes[0].x0 == pytest.approx(t)
+
+
+def test_timeline_and_bytes():
+    spans = [Span("transfer", 1, 0.001, 0.003, "rows 2"), Span("compute", 0, 0.001, 0.002, "attention")]
+    fig = timeline_figure(spans, "t")
+    assert [b.base[0] for b in fig.data] == [pytest.approx(0.0), pytest.approx(0.0)]
+    assert fig.data[0].x[0] == pytest.approx(2.0)  # ms
+    assert list(bytes_figure({"a": 10.0, "b": 5.0}, "b").data[0].y) == [10.0, 5.0]
+
+
+def test_offload_explorer_calls_the_simulator():
+    calls = []
+
+    def simulate(gbps, keep, k):
+        calls.append((gbps, keep, k))
+        spans = [Span("transfer", 1, 0.0, 1.0 / gbps, "rows")]
+        return {"floe": {"bytes": 1e3 * keep, "tps": gbps, "spans": spans}, "LRU": {"bytes": 5e3, "tps": 1.0, "spans": []}}
+
+    box = offload_explorer(simulate)
+    assert calls[-1] == (25, 0.2, 2) and "floe: <b>25.0</b>" in box.readout.value
+    box.controls[2].value = 4
+    assert calls[-1][2] == 4
