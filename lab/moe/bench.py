@@ -24,7 +24,7 @@ POLICIES = {"FP16 on demand": ("fp16", {}), "INT2 on demand": ("int2", {}),
             "FloE k=0.9": ("floe", {"keep": 0.1})}
 
 
-def toy(seed: int = 0, device: str = "cpu", steps: int = 300):
+def toy(seed: int = 0, device: str = "cpu", steps: int = 200):
     """The notebook's trained toy Mixtral and its task."""
     task = PermutationChains()
     run = fit(lambda: tiny_mixtral(vocab_size=task.vocab_size, d_model=64, n_layers=4, n_heads=4, d_ff=192,
@@ -34,7 +34,7 @@ def toy(seed: int = 0, device: str = "cpu", steps: int = 300):
 
 
 def floe_bench(seed: int = 0, device: str = "cpu", pcie_gbps: float = 25.0, n_seq: int = 2,
-               steps: int = 300) -> dict[str, dict]:
+               steps: int = 200) -> dict[str, dict]:
     """{policy: {bytes, tps, loss, layer_error, miss}} on the toy, plus each ratio to FP16 on demand."""
     model, task = toy(seed, device, steps)
     g = torch.Generator().manual_seed(1000 + seed)

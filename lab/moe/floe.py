@@ -278,7 +278,7 @@ def predictor_stats(model: nn.Module, xs: list[Tensor], keep: float, int2: dict 
             Wu = int2[(i + 1, e)].Wu if int2 else weights(nxt, e)[1]
             p = (x0[sel] @ Wu.T).abs().topk(n_keep, -1).indices
             q = (x1[sel] @ Wu.T).abs().topk(n_keep, -1).indices
-            hit = torch.zeros(int(sel.sum()), F).scatter_(1, p, 1).gather(1, q)
+            hit = torch.zeros(int(sel.sum()), F, device=x0.device).scatter_(1, p, 1).gather(1, q)
             rec.append(hit.mean(-1))
         out.append({"layer": i + 1, "cos": _cos(x0, x1), "inter": inter, "intra": torch.cat(rec).mean().item()})
     return out
@@ -295,7 +295,8 @@ def train_inter_predictor(x: Tensor, logits_next: Tensor, router_next: Tensor, t
         net = nn.Sequential(nn.Linear(H, hidden), nn.SiLU(), nn.Linear(hidden, E))
     else:
         net = nn.Linear(H, E, bias=False)
-        net.weight.data.copy_(router_next)
+        net.weight.data.copy_(router_next.cpu())
+    net = net.to(x.device)
     target = torch.zeros_like(logits_next).scatter_(1, logits_next.topk(top_k, -1).indices, 1.0)
     opt = torch.optim.Adam(net.parameters(), lr)
     g = torch.Generator().manual_seed(seed)
