@@ -87,13 +87,14 @@ def bytes_figure(bytes_per_token: dict[str, float], title: str) -> go.Figure:
 
 
 def offload_explorer(simulate: Callable[[float, float, int], dict[str, dict]]):
-    """Live panel over `simulate(pcie_GBps, keep, cache_k) -> {policy: {"bytes", "tps", "spans"}}`:
-    bytes/token and tokens/s per policy and FloE's timeline of one token. Hooks: `.figure`, `.readout`, `.controls`."""
+    """Live panel over `simulate(pcie_GBps, keep, cache_k) -> {policy: {"bytes", "tps", "spans", "resident"?}}`:
+    bytes/token, tokens/s and device-resident expert bytes (the memory budget each policy uses) per policy, and
+    FloE's timeline of one token. Hooks: `.figure`, `.readout`, `.controls`."""
     import ipywidgets as w
 
     bw = w.FloatLogSlider(value=25, base=10, min=0, max=2, step=0.1, description="PCIe GB/s")
     keep = w.FloatSlider(value=0.2, min=0.05, max=0.5, step=0.05, description="FloE keep")
-    k = w.IntSlider(value=2, min=1, max=8, description="LRU k/layer")
+    k = w.IntSlider(value=2, min=1, max=8, description="LRU experts/layer")  # the caches' memory budget
     readout, out, out2 = w.HTML(), w.Output(), w.Output()
     readout.add_class("lab-readout")
     box = w.VBox([w.HBox([bw, keep, k]), readout, out, out2])
@@ -102,6 +103,7 @@ def offload_explorer(simulate: Callable[[float, float, int], dict[str, dict]]):
     def update(_=None):
         res = simulate(bw.value, keep.value, k.value)
         readout.value = "; ".join(f"{p}: <b>{r['tps']:.1f}</b> tok/s, {r['bytes'] / 1e3:.1f} kB/token"
+                                  + (f", {r['resident'] / 1e3:.0f} kB on device" if "resident" in r else "")
                                   for p, r in res.items())
         box.figure = timeline_figure(res["floe"]["spans"], f"FloE, one token at {bw.value:.0f} GB/s")
         show_in(out, box.figure)

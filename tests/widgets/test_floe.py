@@ -43,10 +43,11 @@ def test_offload_explorer_calls_the_simulator():
     def simulate(gbps, keep, k):
         calls.append((gbps, keep, k))
         spans = [Span("transfer", 1, 0.0, 1.0 / gbps, "rows")]
-        return {"floe": {"bytes": 1e3 * keep, "tps": gbps, "spans": spans},
+        return {"floe": {"bytes": 1e3 * keep, "tps": gbps, "spans": spans, "resident": 2e3},
                 "LRU": {"bytes": 5e3, "tps": 1.0, "spans": []}}
 
     box = offload_explorer(simulate)
     assert calls[-1] == (25, 0.2, 2) and "floe: <b>25.0</b>" in box.readout.value
+    assert "2 kB on device" in box.readout.value
     box.controls[2].value = 4
     assert calls[-1][2] == 4
