@@ -212,6 +212,10 @@ def cmd_bench(args) -> int:
         from kernels import floe as kf
 
         print("kernels (ms, speedup vs the dense torch expert):", json.dumps(kf.bench(), indent=1, default=str))
+        from lab.moe.bench import h2d_bandwidth
+
+        print("pinned H2D GB/s by neurons per copy (compact (n, 2, H) chunk vs per-row copies):",
+              json.dumps(h2d_bandwidth(), indent=1))
     return 0
 
 

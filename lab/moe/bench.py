@@ -9,6 +9,8 @@ times the Triton kernels against the dense torch expert at Mixtral's shape (`ker
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -65,6 +67,44 @@ def floe_bench(seed: int = 0, device: str = "cpu", pcie_gbps: float = 25.0, n_se
     ref = out["FP16 on demand"]
     for r in out.values():
         r["bytes_vs_fp16"], r["speed_vs_fp16"] = ref["bytes"] / r["bytes"], r["tps"] / ref["tps"]
+    return out
+
+
+def h2d_bandwidth(H: int = 4096, n_rows: tuple[int, ...] = (1, 10, 50, 200, 1000), device: str = "cuda",
+                  reps: int = 10) -> dict[str, dict[int, float]]:
+    """Host-to-device GB/s for n neurons' weights (gate row + down column, FP16) from pinned memory:
+    `compact` copies one contiguous (n, 2, H) chunk (FloE's co-located layout, Sec. 3.4.2), `per_row` copies
+    the 2n rows one by one (the naive layout FloE reports 12.6x over). On CPU it times host copies instead
+    (exercises the code; the numbers mean nothing for PCIe)."""
+    cuda = device == "cuda"
+    n_max = max(n_rows)
+    src = torch.randn(n_max, 2, H).half()
+    src = src.pin_memory() if cuda else src
+    dst = torch.empty(n_max, 2, H, dtype=torch.float16, device=device)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    out = {"compact": {}, "per_row": {}}
+    for n in n_rows:
+        nbytes = n * 2 * H * 2
+        t = timed(lambda n=n: dst[:n].copy_(src[:n], non_blocking=cuda))
+        out["compact"][n] = nbytes / t / 1e9
+
+        def rows(n=n):
+            for j in range(n):
+                for half in range(2):
+                    dst[j, half].copy_(src[j, half], non_blocking=cuda)
+
+        out["per_row"][n] = nbytes / timed(rows) / 1e9
     return out
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lab.moe.bench import POLICIES, floe_bench, report
+from lab.moe.bench import POLICIES, floe_bench, h2d_bandwidth, report
 
 from ..conftest import ROOT
 
@@ -24,3 +24,9 @@ def test_bench_bad_input_is_one_sentence():
     r = subprocess.run([sys.executable, "-m", "lab", "bench", "floe", "--pcie", "0"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--pcie" in r.stderr
+
+
+def test_h2d_bandwidth_runs_on_cpu():
+    bw = h2d_bandwidth(H=64, n_rows=(1, 8), device="cpu", reps=2)
+    assert set(bw) == {"compact", "per_row"} and all(v > 0 for d in bw.values() for v in d.values())
+    assert list(bw["compact"]) == [1, 8]
