@@ -11,7 +11,9 @@ Policies (FloE Sec. 3.4 and the baselines it compares with, per decoded token an
            with router_{i+1}(x_i), their neurons with top-|x_i W_up^{i+1,e}| (`keep`·F rows), and the rows of
            W_gate and W_downᵀ (co-located, (n, 2, H) FP16 — the compact layout of Sec. 3.4.2) are copied
            ahead on the side stream; a misrouted expert is reloaded synchronously with its mask from the true
-           x. The kept activations are recomputed with the true input (the development repo's engine).
+           x. The kept activations are recomputed with the true input (the development repo's engine). As there,
+           layer i+1's prefetch is issued before layer i's misrouted experts are reloaded, so on one FIFO copy
+           engine a reload waits behind the prefetch (visible in the timeline).
 
 Layers in `resident` keep their experts dense on the device (FloE's GPU-resident layers). Each token is
 decoded one at a time with the model's KV cache (prefill is decoded token by token too).
