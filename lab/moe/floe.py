@@ -245,6 +245,23 @@ def fit_shifted_exponential(a_gate: Tensor) -> tuple[float, float]:
     return 1.0 / float((a_gate.float() + SILU_MIN).mean()), SILU_MIN
 
 
+def theorem_errors(eta: float, lam: float, c: float = SILU_MIN, sigma: float = 1.0, n: int = 400_000,
+                   seed: int = 0) -> dict[str, float]:
+    """Monte Carlo of Theorem 3.1's L_x / E‖a_down W_down‖² at kept fraction η, under the theorem's model:
+    a_up ~ N(0, σ²), a_gate = z − c with z ~ Exp(λ), independent; W_down iid Gaussian, so L_x ∝ E(a_down − x)².
+    The closed form for up is 1 − η − 2 z_η φ(z_η), z_η = Φ⁻¹(1 − η/2) (App. A)."""
+    g = torch.Generator().manual_seed(seed)
+    a_gate = -torch.log(torch.rand(n, generator=g)) / lam - c  # (n,)
+    a_up = sigma * torch.randn(n, generator=g)
+    a_down = a_gate * a_up
+    total = a_down.pow(2).mean()
+    out = {}
+    for name, a in (("gate", a_gate), ("up", a_up), ("down", a_down)):
+        dropped = a.abs() < _quantile(a.abs(), torch.tensor([1 - eta]))[0]
+        out[name] = float((a_down.pow(2) * dropped).mean() / total)
+    return out
+
+
 # --- dual predictors (Sec. 3.3) ---------------------------------------------------------------
 
 def _cos(a: Tensor, b: Tensor) -> float:

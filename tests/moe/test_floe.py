@@ -127,3 +127,16 @@ def test_shifted_exponential_fit():
     z = torch.distributions.Exponential(10.0).sample((200_000,))
     lam, c = fl.fit_shifted_exponential(z - fl.SILU_MIN)
     assert lam == pytest.approx(10.0, rel=0.02) and c == pytest.approx(-F.silu(torch.tensor(-1.2785)).item(), abs=1e-4)
+
+
+def test_theorem_errors_closed_form_and_order():
+    """The up term has a closed form (App. A); at the paper's fitted λ ≈ 10.5 the order is down < up < gate."""
+    normal = torch.distributions.Normal(0.0, 1.0)
+    for eta in (0.1, 0.2, 0.3):
+        z = normal.icdf(torch.tensor(1 - eta / 2))
+        closed = 1 - eta - 2 * z * normal.log_prob(z).exp()
+        L = fl.theorem_errors(eta, lam=10.5)
+        assert L["up"] == pytest.approx(float(closed), abs=0.01)
+        assert L["down"] < L["up"] < L["gate"]
+    low = fl.theorem_errors(0.2, lam=2.0)  # λc ≈ 0.56, outside the theorem's λc ≥ 2: gate beats up
+    assert low["gate"] < low["up"]
