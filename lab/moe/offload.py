@@ -28,6 +28,7 @@ bandwidths by (toy expert size / Mixtral expert size), so a toy timeline has Mix
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -173,7 +174,7 @@ class Stats:
     seconds: list[float] = field(default_factory=list)  # per token (modelled on SimLink, measured on CUDA)
     calls: int = 0  # expert calls on offloaded layers
     misses: int = 0  # lru: cache misses; floe: experts not prefetched (synchronous reloads)
-    resident_bytes: int = 0  # expert bytes held on the device for the policy
+    resident_bytes: int = 0  # expert bytes the policy holds on the device (layer 0, resident for all, not counted)
 
 
 class OffloadEngine:
@@ -197,8 +198,10 @@ class OffloadEngine:
             for e in range(self.E):
                 self._store(l, e, *weights(self.blocks[l], e), group_size)
         self.cache = {l: OrderedDict() for l in self.offloaded}  # lru: e -> device weights
-        if policy.startswith("lru"):
-            self.stats.resident_bytes = cache_k * len(self.offloaded) * self.expert_bytes()
+        self.stats.resident_bytes = (len(self.resident - {0}) * self.E * 3 * self.H * self.F * 2  # FP16 layers
+                                     + self.stats.resident_bytes)
+        if policy.startswith("lru") and self.offloaded:
+            self.stats.resident_bytes += cache_k * len(self.offloaded) * self.expert_bytes()
         elif policy == "floe":
             self.stats.resident_bytes += 2 * self.blocks[0].gate.top_k * self.n_keep * 2 * self.H * 2  # 2 buffers
         self.prefetched: dict[int, dict[int, tuple[Tensor, Tensor, object]]] = {}  # floe: l -> e -> (idx, rows, ready)
@@ -249,6 +252,8 @@ class OffloadEngine:
             cache.move_to_end(e)
         else:
             self.stats.misses += 1
+            if self.cache_k == 0:
+                return self._fetch_whole(l, e)
             if len(cache) >= self.cache_k:
                 cache.popitem(last=False)
             cache[e] = self._fetch_whole(l, e)
@@ -320,6 +325,28 @@ class OffloadEngine:
             for b, ex in zip(self.blocks, saved):
                 b.experts = ex
         return torch.stack(logits), self.stats
+
+
+def plan(model: nn.Module, budget: int, keep: float = 0.2, group_size: int = 64) -> dict[str, dict | None]:
+    """Engine arguments for each cached policy under one device budget for experts (bytes beyond layer 0):
+    the LRU caches hold k = budget // (offloaded layers · expert bytes) whole experts per layer (at most E);
+    FloE needs every offloaded expert's INT2 W_up plus its double buffer, and spends what is left on whole
+    FP16 layers kept resident from layer 1 up (FloE's GPU-resident layers). None: the policy does not fit."""
+    blocks = moe_blocks(model)
+    L, (E, H, F), top_k = len(blocks), blocks[0].experts.down_proj.shape, blocks[0].gate.top_k
+    int2_matrix = F * math.ceil(H / 4) + 2 * 2 * F * math.ceil(H / group_size)  # codes + fp16 scale and zero
+    fp16_layer = E * 3 * H * F * 2
+    n_keep = max(1, round(keep * F))
+    out = {}
+    for policy, expert in (("lru-fp16", 3 * H * F * 2), ("lru-int2", 3 * int2_matrix)):
+        out[policy] = {"cache_k": int(min(E, budget // ((L - 1) * expert)))}
+    out["floe"] = None
+    for r in range(L):  # layers 0..r resident
+        off = L - 1 - r
+        cost = r * fp16_layer + off * E * int2_matrix + (2 * top_k * n_keep * 2 * H * 2 if off else 0)
+        if cost <= budget:
+            out["floe"] = {"keep": keep, "resident": tuple(range(r + 1))}
+    return out
 
 
 def _expert(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor) -> Tensor:

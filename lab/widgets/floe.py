@@ -1,6 +1,7 @@
 """FloE explorers: activation histograms per (layer, expert) with the Eq. 6 threshold, and the offload
-panel (PCIe bandwidth, kept fraction, LRU cache size -> bytes/token, tokens/s and a compute-vs-transfer
-timeline). `histogram_figure`, `timeline_figure` and `bytes_figure` are the precomputed views for the report.
+panel (PCIe bandwidth, kept fraction, device budget for experts -> bytes/token, tokens/s and a
+compute-vs-transfer timeline). `histogram_figure`, `timeline_figure` and `bytes_figure` are the precomputed
+views for the report.
 """
 
 from __future__ import annotations
@@ -86,31 +87,34 @@ def bytes_figure(bytes_per_token: dict[str, float], title: str) -> go.Figure:
     return fig
 
 
-def offload_explorer(simulate: Callable[[float, float, int], dict[str, dict]]):
-    """Live panel over `simulate(pcie_GBps, keep, cache_k) -> {policy: {"bytes", "tps", "spans", "resident"?}}`:
-    bytes/token, tokens/s and device-resident expert bytes (the memory budget each policy uses) per policy, and
-    FloE's timeline of one token. Hooks: `.figure`, `.readout`, `.controls`."""
+def offload_explorer(simulate: Callable[[float, float, float], dict[str, dict]], budget_kb: float = 140):
+    """Live panel over `simulate(pcie_GBps, keep, budget_kB) -> {policy: {"bytes", "tps", "spans", "resident"?}}`
+    (a policy that does not fit the device budget is left out): bytes/token, tokens/s and device-resident expert
+    bytes per policy, and FloE's timeline of one token. Hooks: `.figure`, `.readout`, `.controls`."""
     import ipywidgets as w
 
     bw = w.FloatLogSlider(value=25, base=10, min=0, max=2, step=0.1, description="PCIe GB/s")
     keep = w.FloatSlider(value=0.2, min=0.05, max=0.5, step=0.05, description="FloE keep")
-    k = w.IntSlider(value=2, min=1, max=8, description="LRU experts/layer")  # the caches' memory budget
+    budget = w.FloatLogSlider(value=budget_kb, base=10, min=1, max=3.5, step=0.05, description="expert kB")
     readout, out, out2 = w.HTML(), w.Output(), w.Output()
     readout.add_class("lab-readout")
-    box = w.VBox([w.HBox([bw, keep, k]), readout, out, out2])
+    box = w.VBox([w.HBox([bw, keep, budget]), readout, out, out2])
     box.add_class("lab-explorer")
 
     def update(_=None):
-        res = simulate(bw.value, keep.value, k.value)
+        res = simulate(bw.value, keep.value, budget.value)
         readout.value = "; ".join(f"{p}: <b>{r['tps']:.1f}</b> tok/s, {r['bytes'] / 1e3:.1f} kB/token"
                                   + (f", {r['resident'] / 1e3:.0f} kB on device" if "resident" in r else "")
                                   for p, r in res.items())
-        box.figure = timeline_figure(res["floe"]["spans"], f"FloE, one token at {bw.value:.0f} GB/s")
+        shown = "floe" if "floe" in res else next(iter(res))
+        if shown != "floe":
+            readout.value += f"; FloE does not fit in {budget.value:.0f} kB"
+        box.figure = timeline_figure(res[shown]["spans"], f"{shown}, one token at {bw.value:.0f} GB/s")
         show_in(out, box.figure)
         show_in(out2, bytes_figure({p: r["bytes"] for p, r in res.items()}, "bytes per token"))
 
-    for c in (bw, keep, k):
+    for c in (bw, keep, budget):
         c.observe(update, "value")
-    box.controls, box.readout = [bw, keep, k], readout
+    box.controls, box.readout = [bw, keep, budget], readout
     update()
     return box

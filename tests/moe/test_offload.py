@@ -94,3 +94,27 @@ def test_prefetch_overlaps_compute(model, seq):
 def test_bad_policy(model):
     with pytest.raises(ValueError, match="policy"):
         OffloadEngine(model, "zero3", SimLink(TimeModel()))
+
+
+def test_plan_spends_the_budget_as_the_engine_counts_it(model, seq):
+    from lab.moe.offload import plan
+
+    for budget in (10_000, 60_000, 200_000, 400_000):
+        p = plan(model, budget, keep=0.25, group_size=16)
+        for policy, kw in p.items():
+            if kw is None:
+                continue
+            eng = OffloadEngine(model, policy, SimLink(TimeModel()), group_size=16, **kw)
+            assert eng.stats.resident_bytes <= budget
+            if policy.startswith("lru") and kw["cache_k"] < E:  # one more expert per layer would not fit
+                more = OffloadEngine(model, policy, SimLink(TimeModel()), group_size=16, cache_k=kw["cache_k"] + 1)
+                assert more.stats.resident_bytes > budget
+    assert plan(model, 10_000, keep=0.25)["floe"] is None  # INT2 W_up of every offloaded expert does not fit
+    big = plan(model, 10**9, keep=0.25)
+    assert big["floe"]["resident"] == tuple(range(L)) and big["lru-fp16"]["cache_k"] == E
+
+
+def test_lru_without_a_cache_is_on_demand(model, seq):
+    _, none = run(model, seq, "lru-int2", cache_k=0)
+    _, demand = run(model, seq, "int2")
+    assert none.bytes == demand.bytes and none.resident_bytes == 0

@@ -40,14 +40,16 @@ def test_timeline_and_bytes():
 def test_offload_explorer_calls_the_simulator():
     calls = []
 
-    def simulate(gbps, keep, k):
-        calls.append((gbps, keep, k))
+    def simulate(gbps, keep, budget):
+        calls.append((gbps, keep, budget))
         spans = [Span("transfer", 1, 0.0, 1.0 / gbps, "rows")]
-        return {"floe": {"bytes": 1e3 * keep, "tps": gbps, "spans": spans, "resident": 2e3},
-                "LRU": {"bytes": 5e3, "tps": 1.0, "spans": []}}
+        res = {"LRU": {"bytes": 5e3, "tps": 1.0, "spans": []}}
+        if budget >= 100:
+            res["floe"] = {"bytes": 1e3 * keep, "tps": gbps, "spans": spans, "resident": 2e3}
+        return res
 
     box = offload_explorer(simulate)
-    assert calls[-1] == (25, 0.2, 2) and "floe: <b>25.0</b>" in box.readout.value
-    assert "2 kB on device" in box.readout.value
-    box.controls[2].value = 4
-    assert calls[-1][2] == 4
+    assert calls[-1] == (25, 0.2, 140) and "floe: <b>25.0</b>" in box.readout.value
+    assert "2 kB on device" in box.readout.value and len(box.figure.data) == 1
+    box.controls[2].value = 50
+    assert calls[-1][2] == 50 and "FloE does not fit" in box.readout.value and len(box.figure.data) == 0
