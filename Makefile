@@ -30,7 +30,7 @@ run: setup
 
 ## unit tests, every notebook through the runner, offline browser and JupyterLab checks
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 ## the quick loop: unit tests only
 test-fast: setup
@@ -41,9 +41,9 @@ test-gpu: setup
 	TRITON_INTERPRET=0 $(PY) -m pytest -m gpu $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 	$(PY) -m lab run all -p device cuda --out reports/gpu
 
-## JupyterLab on the notebooks folder
+## JupyterLab on the notebooks folder (with --allow-root when run as root, e.g. in a container)
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks
+	$(VENV)/bin/jupyter lab notebooks $$([ "$$(id -u)" -eq 0 ] && echo --allow-root)
 
 clean:
 	rm -rf reports .pytest_cache

@@ -4,6 +4,7 @@
     python -m lab run all -p seed 3 --out /tmp/r  # every notebook, a parameter override, another folder
     python -m lab list                           # notebooks, their papers, last recorded status
     python -m lab report                         # re-render HTML + index from executed notebooks
+    python -m lab sweep hps --seeds 0-9          # seeds and declared controls -> notebooks/results/11_hps.json
 
 `run` validates every parameter before any kernel starts (a bad value is one sentence on stderr,
 exit 2, nothing written), then for each notebook: papermill (kernel `python3`, cwd = the notebook's
@@ -28,7 +29,7 @@ from lab.core.params import ParamError, validate
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
-CONTRACT = ("scale", "device", "seed", "model")
+CONTRACT = ("scale", "device", "seed", "model", "control")
 
 
 class UsageError(Exception):
@@ -73,6 +74,27 @@ def defaults(nb_path: Path) -> dict:
     return {k: ast.literal_eval(v["default"]) for k, v in params.items()}
 
 
+def declared_controls(nb_path: Path) -> dict[str, list[str]]:
+    """The `controls={...}` literal of the notebook's `lab.core.setup(...)` call: `{name: [claims it breaks]}`."""
+    import nbformat
+
+    nb = nbformat.read(str(nb_path), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type != "code" or "setup(" not in cell.source:
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:  # IPython magics: drop them and try again
+            tree = ast.parse("\n".join(line for line in cell.source.splitlines() if not line.startswith("%")))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "setup":
+                for kw in node.keywords:
+                    if kw.arg == "controls":
+                        return ast.literal_eval(kw.value)
+                return {}
+    return {}
+
+
 def plan(paths: list[Path], overrides: dict) -> list[tuple[Path, dict, dict]]:
     """(notebook, overrides, effective params) for each notebook, all validated before any run."""
     out = []
@@ -82,7 +104,7 @@ def plan(paths: list[Path], overrides: dict) -> list[tuple[Path, dict, dict]]:
         if unknown:
             raise UsageError(f"{path.stem} has no parameter {unknown[0]!r}; its parameters are {', '.join(base)}.")
         params = {**base, **overrides}
-        validate(*(params[k] for k in CONTRACT))
+        validate(*(params[k] for k in CONTRACT), controls=declared_controls(path))
         out.append((path, overrides, params))
     return out
 
@@ -96,19 +118,20 @@ def title_of(nb) -> str:
     return ""
 
 
-def read_jsonl(path: Path) -> tuple[list[dict], dict]:
-    claims, metrics = [], {}
+def read_jsonl(path: Path) -> dict:
+    """The run's records by kind: `claim` and `sanity` lists (the last record of a name wins), `metrics`,
+    and the verdict's `control` summary for a control run."""
+    by_kind: dict[str, dict] = {"claim": {}, "sanity": {}, "metric": {}, "control": {}}
     if path.exists():
         for line in path.read_text().splitlines():
             rec = json.loads(line)
-            if rec.pop("kind") == "claim":
-                claims.append(rec)
-            else:
-                metrics[rec["name"]] = rec["value"]
-    return claims, metrics
+            by_kind.setdefault(rec.pop("kind"), {})[rec["name"]] = rec
+    return {"claims": list(by_kind["claim"].values()), "sanity": list(by_kind["sanity"].values()),
+            "metrics": {k: r["value"] for k, r in by_kind["metric"].items()},
+            "control": by_kind["control"].get("control", {}).get("value")}
 
 
-def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeout: int) -> dict:
+def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeout: int, page: bool = True) -> dict:
     """Execute one notebook, write its executed copy, record and page; returns the record."""
     import nbformat
     import papermill as pm
@@ -134,18 +157,27 @@ def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeou
     finally:
         os.environ.pop("LAB_RECORD_FILE", None)
     seconds = time.perf_counter() - t0
-    claims, metrics = read_jsonl(Path(jsonl))
+    records = read_jsonl(Path(jsonl))
+    claims, metrics = records["claims"], records["metrics"]
     Path(jsonl).unlink(missing_ok=True)
-    if status == "passed" and not all(c["passed"] for c in claims):
+    if status == "passed" and not all(c["passed"] for c in claims + records["sanity"]):
         status = "failed"
+    if params.get("control") and not records["control"]:  # the run stopped before its verdict
+        from lab.core.records import judge
+
+        must = declared_controls(path).get(params["control"], [])
+        records["control"] = judge({c["name"]: {**c, "kind": "claim"} for c in claims}, params["control"],
+                                   tuple(must))["control"]
     executed = out / f"{stem}.ipynb"
     nb = nbformat.read(str(executed if executed.exists() else path), as_version=4)
     rec = {"notebook": stem, "title": title_of(nb), "paper": nb.metadata.get("lab", {}).get("paper", ""),
            "params": params, "seconds": round(seconds, 2), "status": status, "claims": claims,
-           "metrics": metrics}
+           "sanity": records["sanity"], "metrics": metrics}
+    if records["control"]:
+        rec["control"] = records["control"]
     if error:
         rec["error"] = error
-    if executed.exists():
+    if page and executed.exists():
         report.ensure_static(out)
         report.export_html(executed, out / f"{stem}.html")
     report.atomic_write(out / f"{stem}.json", json.dumps(rec, indent=1, default=str))
@@ -162,15 +194,41 @@ def cmd_run(args) -> int:
     ok = True
     for path, ov, params in todo:
         timeout = args.cell_timeout or (300 if params["scale"] == "smoke" else 7200)
-        rec = run_one(path, ov, params, out, cell_timeout=timeout)
+        rec = run_one(path, ov, params, out, cell_timeout=timeout, page=not args.no_page)
         n_pass = sum(c["passed"] for c in rec["claims"])
         print(f"{rec['notebook']:<28} {rec['status']:<7} {rec['seconds']:7.1f} s  "
               f"claims {n_pass}/{len(rec['claims'])}  {out / (rec['notebook'] + '.html')}", flush=True)
-        if rec.get("error"):
+        if rec.get("control"):
+            c = rec["control"]
+            print(f"  control {c['name']!r} (a control run: its claims should fail): {len(c['broken'])}/"
+                  f"{len(c['must_break'])} named claims broken" +
+                  (f"; NOT broken: {', '.join(c['survived'])}" if c["survived"] else ""), flush=True)
+        elif rec.get("error"):
             print(f"  {rec['error'].splitlines()[0] if rec['error'] else ''}", flush=True)
         ok &= rec["status"] == "passed"
-    print(f"index: {report.build_index(out)}")
+    if not args.no_page:
+        print(f"index: {report.build_index(out)}")
     return 0 if ok else 1
+
+
+def cmd_sweep(args) -> int:
+    from lab.core import results
+
+    [path] = resolve([args.name], args.notebooks) if args.name != "all" else [None]
+    if path is None:
+        raise UsageError("sweep takes one notebook; run it once per notebook.")
+    seeds, control_seeds = results.parse_seeds(args.seeds), results.parse_seeds(args.control_seeds)
+    overrides = {k: parse_value(v) for k, v in args.param}
+    if {"seed", "control"} & set(overrides):
+        raise UsageError("sweep sets seed and control itself; give --seeds, --control-seeds or --no-controls.")
+    controls = {} if args.no_controls else declared_controls(path)
+    plan([path], overrides)  # bad parameters: one sentence before any run
+    target = Path(args.out) if args.out else results.path_of(path.stem, path.parent)
+    jobs = [(s, "") for s in seeds] + [(s, c) for c in controls for s in control_seeds]
+    runs = results.sweep(path, jobs, overrides, n_jobs=args.jobs, cell_timeout=args.cell_timeout)
+    data = results.write(target, path.stem, runs, overrides, controls, keep_controls=args.no_controls)
+    print(results.summary(data))
+    return 0 if results.holds(data) else 1
 
 
 def cmd_list(args) -> int:
@@ -229,6 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", default="reports", help="output folder (default: reports)")
     run.add_argument("--cell-timeout", type=int, default=None,
                      help="seconds per cell (default 300 at smoke scale, 7200 at full)")
+    run.add_argument("--no-page", action="store_true", help="skip the HTML pages and the index (sweeps)")
+    swp = sub.add_parser("sweep", help="run a notebook over seeds and its controls -> notebooks/results/<stem>.json")
+    swp.add_argument("name", help="one notebook stem or slug")
+    swp.add_argument("--seeds", default="0-9", help="e.g. 0-9 or 0,3,5 (default 0-9)")
+    swp.add_argument("--control-seeds", default="0", help="seeds for each declared control (default 0)")
+    swp.add_argument("--no-controls", action="store_true", help="seeds only (keeps the recorded controls)")
+    swp.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
+    swp.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: one per core)")
+    swp.add_argument("--cell-timeout", type=int, default=None, help="seconds per cell, passed to each run")
+    swp.add_argument("--out", default=None, help="results file (default notebooks/results/<stem>.json)")
     lst = sub.add_parser("list", help="notebooks, papers and last status")
     lst.add_argument("--out", default="reports")
     rep = sub.add_parser("report", help="re-render HTML and the index from executed notebooks")
@@ -240,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--pcie", type=float, default=25.0, help="simulated host-to-device GB/s (CPU only)")
     args = ap.parse_args(argv)
     try:
-        return {"run": cmd_run, "list": cmd_list, "report": cmd_report, "bench": cmd_bench}[args.cmd](args)
+        return {"run": cmd_run, "list": cmd_list, "report": cmd_report, "bench": cmd_bench,
+                "sweep": cmd_sweep}[args.cmd](args)
     except (UsageError, ParamError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,14 +21,23 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # no network in any test
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU through the interpreter
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A fresh cache per session (inherited by runner subprocesses and kernels), so a test run measures
-# training from scratch; set LAB_TEST_CACHE to reuse one while iterating.
-os.environ["LAB_CACHE"] = os.environ.get("LAB_TEST_CACHE") or tempfile.mkdtemp(prefix="lab-test-cache-")
+# training from scratch; shared by the pytest-xdist workers of one run (control runs reuse the models
+# the notebook runs trained); set LAB_TEST_CACHE to reuse one while iterating.
+_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_shared = os.path.join(tempfile.gettempdir(), f"lab-test-cache-{_run}") if _run else None
+os.environ["LAB_CACHE"] = os.environ.get("LAB_TEST_CACHE") or _shared or tempfile.mkdtemp(prefix="lab-test-cache-")
 
 
 def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+def setup_cell(path: Path) -> str:
+    import nbformat
+
+    return [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"][1].source
 
 
 def run_lab(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -65,3 +74,10 @@ def tour_report(notebook_runs) -> Path:
     run = notebook_runs("00_tour")
     assert run["proc"].returncode == 0, run["proc"].stdout + run["proc"].stderr
     return run["out"] / "00_tour.html"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest first (the notebook runs, then the control runs, then unit tests), so the two pytest-xdist
+    workers finish together; control runs after the notebook runs reuse the models those trained."""
+    rank = {"test_notebooks.py": 0, "test_controls.py": 1}
+    items.sort(key=lambda item: rank.get(item.path.name, 2))

@@ -13,14 +13,17 @@ from lab.cli import parse_value, resolve
 
 from .conftest import ROOT
 
-PARAMS = 'scale = "smoke"\ndevice = "auto"\nseed = 0\nmodel = "tiny"'
+PARAMS = 'scale = "smoke"\ndevice = "auto"\nseed = 0\nmodel = "tiny"\ncontrol = ""'
+SETUP = ('import lab.core\nP = lab.core.setup(scale, device, seed, model, control, '
+         'controls={"flip": ["holds"], "weak": ["holds", "also"]})')
 
 
 def write_nb(folder, stem, body, title="Synthetic"):
     v4 = nbformat.v4
     nb = v4.new_notebook(cells=[v4.new_markdown_cell(f"# {title}"),
                                 v4.new_code_cell(PARAMS, metadata={"tags": ["parameters"]}),
-                                v4.new_code_cell(body)])
+                                v4.new_code_cell(SETUP), v4.new_code_cell(body),
+                                v4.new_code_cell("lab.core.verdict()")])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, folder / f"{stem}.ipynb")
 
@@ -30,12 +33,17 @@ def lab(*args, nbdir):
                           capture_output=True, text=True, timeout=300)
 
 
+GOOD = ('from lab.core import check, record\nrecord("m", {"a": 1})\n'
+        'check("holds", 0.9 + seed - 2 * (P.control != ""), ">=", 0.5)\n'
+        'check("also", 1.0, ">=", 0.5)\nlab.core.sanity("s", 0.0, "<", 1.0)')
+
+
 @pytest.fixture(scope="module")
 def nbdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("nbs")
-    write_nb(d, "01_good", 'from lab.core import check, record\nrecord("m", {"a": 1})\n'
-                           'check("holds", 0.9 + seed, ">=", 0.5)')
-    write_nb(d, "02_claim", 'from lab.core import check\ncheck("breaks", 0.1, ">=", 0.5)\nprint("unreachable")')
+    write_nb(d, "01_good", GOOD)
+    write_nb(d, "02_claim", 'from lab.core import check\ncheck("breaks", 0.1, ">=", 0.5)\n'
+                            'check("breaks too", 0.2, ">=", 0.5)\nprint("reached: claims do not raise")')
     write_nb(d, "03_crash", 'raise RuntimeError("boom")')
     return d
 
@@ -47,10 +55,11 @@ def test_run_all_writes_records_pages_and_index(nbdir, tmp_path):
     recs = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
     good, claim, crash = recs["01_good"], recs["02_claim"], recs["03_crash"]
     assert good["status"] == "passed" and good["params"]["seed"] == 2 and good["title"] == "Synthetic"
-    assert good["claims"] == [{"name": "holds", "value": 2.9, "op": ">=", "threshold": 0.5, "passed": True}]
-    assert good["metrics"] == {"m": {"a": 1}} and good["seconds"] > 0
-    assert claim["status"] == "failed" and claim["claims"][0]["passed"] is False
-    assert "measured 0.1, required >= 0.5" in claim["error"]
+    assert good["claims"][0] == {"name": "holds", "value": 2.9, "op": ">=", "threshold": 0.5, "passed": True}
+    assert good["sanity"] == [{"name": "s", "value": 0.0, "op": "<", "threshold": 1.0, "passed": True}]
+    assert good["metrics"] == {"m": {"a": 1}} and good["seconds"] > 0 and good["params"]["control"] == ""
+    assert claim["status"] == "failed" and [c["passed"] for c in claim["claims"]] == [False, False]
+    assert "measured 0.1, required >= 0.5" in claim["error"] and "breaks too" in claim["error"]
     assert crash["status"] == "error" and "boom" in crash["error"] and crash["claims"] == []
     for stem in recs:  # a failed notebook keeps its executed copy, marked by papermill
         assert (tmp_path / f"{stem}.ipynb").exists() and (tmp_path / f"{stem}.html").exists()
@@ -69,16 +78,48 @@ def test_a_failed_rerun_replaces_a_stale_success(nbdir, tmp_path):
         assert lab("run", "01_good", "--out", str(tmp_path), nbdir=nbdir).returncode == 1
         assert json.loads((tmp_path / "01_good.json").read_text())["status"] == "error"
     finally:
-        write_nb(nbdir, "01_good", 'from lab.core import check\ncheck("holds", 1.0, ">=", 0.5)')
+        write_nb(nbdir, "01_good", GOOD)
     listing = lab("list", "--out", str(tmp_path), nbdir=nbdir).stdout
     assert "01_good" in listing and "error" in listing and "never run" in listing
     rep = lab("report", "--out", str(tmp_path), nbdir=nbdir)
     assert rep.returncode == 0 and (tmp_path / "index.html").exists()
 
 
+@pytest.mark.timeout(300)
+def test_a_control_run_fails_and_says_which_claims_it_broke(nbdir, tmp_path):
+    proc = lab("run", "good", "-p", "control", "weak", "-p", "seed", "0", "--out", str(tmp_path), nbdir=nbdir)
+    assert proc.returncode == 1 and "NOT broken: also" in proc.stdout, proc.stdout + proc.stderr
+    rec = json.loads((tmp_path / "01_good.json").read_text())
+    assert rec["status"] == "failed" and rec["params"]["control"] == "weak"
+    assert rec["control"] == {"name": "weak", "must_break": ["holds", "also"], "broken": ["holds"],
+                              "survived": ["also"]}
+
+
+@pytest.mark.timeout(300)
+def test_sweep_writes_a_results_file_and_its_table(nbdir, tmp_path):
+    from lab.core.results import problems, seed_table
+
+    target = tmp_path / "results" / "01_good.json"
+    proc = lab("sweep", "good", "--seeds", "0-1", "--out", str(target), nbdir=nbdir)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # control 'weak' does not break 'also'
+    data = json.loads(target.read_text())
+    assert data["seeds"] == [0, 1] and [r["values"]["holds"] for r in data["runs"]] == [0.9, 1.9]
+    assert data["claims"]["holds"] == {"op": ">=", "threshold": 0.5}
+    assert data["controls"]["flip"]["broken"] == ["holds"] and data["controls"]["weak"]["survived"] == ["also"]
+    table = seed_table("01_good", tmp_path)
+    assert table.loc["holds", "min"] == "0.9" and table.loc["holds", "seeds"] == "2/2"
+    assert table.loc["holds", "control flip"].endswith("✗") and table.loc["also", "control weak"].endswith("(held!)")
+    claims = [{"name": "holds", "op": ">=", "threshold": 1.0}, {"name": "also", "op": ">=", "threshold": 0.5}]
+    found = problems("01_good", claims, {"flip": ["holds"], "weak": ["holds", "also"]}, folder=tmp_path,
+                     seeds=range(2))
+    assert found == ["seed 0: holds = 0.9 does not meet >= 1.0", "control 'weak' does not break 'also' (recorded 1)"]
+    assert "seeds [2, 3" in problems("01_good", claims[1:], {}, folder=tmp_path)[1]
+
+
 def test_bad_names_and_parameters_write_nothing(nbdir, tmp_path):
     out = tmp_path / "r"
     for args, words in [(("run", "nope"), "no notebook named 'nope'"),
+                        (("run", "good", "-p", "control", "nonsense"), "its controls are 'flip', 'weak'"),
                         (("run", "all", "-p", "scale", "big"), "scale='big'"),
                         (("run", "all", "-p", "colour", "red"), "no parameter 'colour'")]:
         proc = lab(*args, "--out", str(out), nbdir=nbdir)

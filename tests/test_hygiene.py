@@ -11,7 +11,7 @@ import pytest
 
 from .conftest import NOTEBOOKS, ROOT
 
-CONTRACT = ("scale", "device", "seed", "model")
+CONTRACT = ("scale", "device", "seed", "model", "control")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -33,9 +33,13 @@ def test_notebook_is_clean_and_follows_the_contract(path: Path):
     assigned = [t.target.id for t in ast.parse(first.source).body if isinstance(t, ast.AnnAssign)]
     assert list(params) == assigned, "papermill must parse every parameter (no ' = ' inside a comment)"
     assert list(params)[:4] == list(CONTRACT)
-    assert [params[k]["default"] for k in CONTRACT] == ['"smoke"', '"auto"', "0", '"tiny"'] or \
-        params["model"]["default"] != '"tiny"'
-    assert "lab.core.setup(scale, device, seed, model)" in code[1].source, "the setup cell comes second"
+    assert [params[k]["default"] for k in CONTRACT] == ['"smoke"', '"auto"', "0", '"tiny"', '""']
+    assert "lab.core.setup(scale, device, seed, model, control" in code[1].source, "the setup cell comes second"
+    assert code[-1].source.strip() == "lab.core.verdict()", "the last code cell judges every claim at once"
+    from lab.cli import declared_controls
+
+    assert declared_controls(path), "every notebook declares the controls that break its claims"
+    assert f'seed_table("{path.stem}")' in "".join(c.source for c in code), "the results table comes from the sweep"
     assert path.stem[:2].isdigit() and nb.metadata.get("lab", {}).get("paper")
 
 

@@ -6,16 +6,20 @@ import json
 
 import pytest
 
+from lab.cli import declared_controls
 from lab.core import read_records
+from lab.core.results import problems
 
 from .conftest import NOTEBOOKS, run_lab
 
+NOTEBOOKS_BY_STEM = {p.stem: p for p in NOTEBOOKS}
 BUDGET_S = 90  # DESIGN.md: one notebook at smoke scale on 2 CPU cores
 
 
 @pytest.mark.notebook
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stem", [p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("stem", [pytest.param(p.stem, marks=[pytest.mark.xdist_group("tour")] * (p.stem == "00_tour"))
+                                  for p in NOTEBOOKS])
 def test_notebook_passes_its_claims(stem, notebook_runs, record_property):
     run = notebook_runs(stem)
     proc, rec = run["proc"], run["record"]
@@ -31,9 +35,13 @@ def test_notebook_passes_its_claims(stem, notebook_runs, record_property):
         assert recorded[c["name"]]["value"] == c["value"]
     assert rec["seconds"] < BUDGET_S, f"{stem} took {rec['seconds']:.0f} s > {BUDGET_S} s at smoke scale"
     assert (run["out"] / f"{stem}.html").exists() and (run["out"] / "index.html").exists()
+    # the committed seed sweep still supports every claim this run makes, at today's thresholds
+    found = problems(stem, rec["claims"], declared_controls(NOTEBOOKS_BY_STEM[stem]))
+    assert not found, f"notebooks/results/{stem}.json is stale or fails a threshold:\n" + "\n".join(found)
 
 
 @pytest.mark.notebook
+@pytest.mark.xdist_group("tour")  # shares the session's tour run (pytest-xdist --dist loadgroup)
 @pytest.mark.timeout(300)
 def test_tour_is_deterministic_and_cached(notebook_runs, tmp_path):
     """Same seed -> identical claim values; the second run loads the trained model from the cache."""
@@ -48,7 +56,8 @@ def test_tour_is_deterministic_and_cached(notebook_runs, tmp_path):
 
 
 @pytest.mark.parametrize("param", [("scale", "huge"), ("device", "cuda"), ("model", "/no/such/folder"),
-                                   ("seed", "-3"), ("nonsense", "1")])
+                                   ("seed", "-3"), ("nonsense", "1"),
+                                   ("control", "nonsense")])
 def test_bad_parameter_is_one_sentence_and_writes_nothing(param, tmp_path):
     import torch
 

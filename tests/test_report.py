@@ -23,7 +23,8 @@ def demo_notebook() -> nbformat.NotebookNode:
     """A small notebook with what a report must render: LaTeX, a widget explorer, a plotly figure.
 
     The explorer has the tour's structure: a VBox ``lab-explorer`` holding a slider and an HTML
-    ``lab-readout`` that a Python callback updates.
+    ``lab-readout`` that a Python callback updates. The slider's description is ``$\\tau$``, which
+    the offline page must typeset (ipywidgets calls MathJax 2's API for it; see the template).
     """
     v4 = nbformat.v4
     nb = v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
@@ -34,7 +35,7 @@ def demo_notebook() -> nbformat.NotebookNode:
                          "pio.renderers.default = 'plotly_mimetype'\nSECRET_SETUP = 1",
                          metadata={"tags": ["hide-input"]}),
         v4.new_code_cell(
-            "slider = w.FloatSlider(value=0.5, min=0.0, max=2.0, step=0.1, description='temperature')\n"
+            "slider = w.FloatSlider(value=0.5, min=0.0, max=2.0, step=0.1, description='$\\\\tau$')\n"
             "readout = w.HTML(f'T = {slider.value:.1f}')\n"
             "readout.add_class('lab-readout')\n"
             "slider.observe(lambda change: setattr(readout, 'value', f\"T = {change['new']:.1f}\"), 'value')\n"
@@ -142,33 +143,154 @@ def test_export_html_bad_notebook_leaves_no_file(tmp_path):
     assert not (tmp_path / "bad.html").exists()
 
 
-def _record(notebook, status, claims, **extra):
-    return {"notebook": notebook, "title": f"Title of {notebook}", "paper": "Some paper",
-            "params": {"scale": "smoke", "seed": 0}, "seconds": 12.3456, "status": status,
+# ---------------------------------------------------------------------------------------------- index
+
+CONTRACT = {"scale": "smoke", "device": "auto", "seed": 0, "model": "tiny", "control": ""}
+
+
+def _record(notebook, status, claims, params=None, **extra):
+    return {"notebook": notebook, "title": f"Title of {notebook}", "paper": f"Paper line of {notebook}",
+            "params": {**CONTRACT, **(params or {})}, "seconds": 10.0, "status": status,
             "claims": claims, "metrics": {}, **extra}
 
 
-def test_build_index(tmp_path):
+def _notebook(folder: Path, stem: str, params_source: str) -> None:
+    v4 = nbformat.v4
+    nb = v4.new_notebook(cells=[v4.new_code_cell(params_source, metadata={"tags": ["parameters"]})])
+    nbformat.write(nb, folder / f"{stem}.ipynb")
+
+
+def _row(html: str, stem: str) -> str:
+    rows = re.findall(rf'<tr class="[^"]*" id="{stem}">.*?</tr>', html, re.DOTALL)
+    assert len(rows) == 1, (stem, rows)
+    return rows[0]
+
+
+def _claim(name, passed, value=1.0, op=">=", threshold=0.5):
+    return {"name": name, "value": value, "op": op, "threshold": threshold, "passed": passed}
+
+
+@pytest.fixture
+def index_html(tmp_path) -> str:
+    """An index built from hand-written records, beside a notebooks folder with four notebooks."""
+    nbs, out = tmp_path / "notebooks", tmp_path / "reports"
+    nbs.mkdir()
+    out.mkdir()
+    contract = ('scale: str = "smoke"  # ...\ndevice: str = "auto"\nseed: int = 0\nmodel: str = "tiny"\n'
+                'control: str = ""')
+    for stem in ("00_tour", "01_expo", "03_tlm"):
+        _notebook(nbs, stem, contract)
+    _notebook(nbs, "11_hps", contract + "\nlr: float = 1e-3  # step size\nbeta: float = 0.1")
+
     ok = {"name": "accuracy", "value": 0.987654321, "op": ">=", "threshold": 0.9, "passed": True}
     bad = {"name": "speedup", "value": 1.23456, "op": ">", "threshold": 2, "passed": False}
-    (tmp_path / "00_tour.json").write_text(json.dumps(_record("00_tour", "passed", [ok])))
-    (tmp_path / "01_expo.json").write_text(json.dumps(_record("01_expo", "failed", [ok, bad])))
-    (tmp_path / "02_err.json").write_text(json.dumps(_record("02_err", "error", [], error="Boom <here>")))
-    (tmp_path / "00_tour.html").write_text("report")
-    (tmp_path / "metrics_cache.json").write_text(json.dumps({"something": "else"}))
-    (tmp_path / "broken.json").write_text("{")
+    records = {
+        "00_tour": _record("00_tour", "passed", [ok], sanity=[_claim("probabilities sum to one", True),
+                                                             _claim("loss is finite", True)]),
+        "01_expo": _record("01_expo", "failed", [ok, bad], sanity=[_claim("grad check", False)],
+                           error="ClaimFailed: speedup <too> small"),
+        "11_hps": _record("11_hps", "failed", [_claim("hard beats soft", False), _claim("margin", False),
+                                               _claim("kept", True)],
+                          params={"control": "uniform", "seed": 3, "lr": 0.01, "beta": 0.1},
+                          control={"name": "uniform", "must_break": ["hard beats soft", "margin"],
+                                   "broken": ["hard beats soft", "margin"], "survived": ["kept"]}),
+        "19_cdpo": _record("19_cdpo", "passed", [_claim("gap", True), _claim("acc", True)],
+                           params={"control": "shuffled"},
+                           control={"name": "shuffled", "must_break": ["gap", "acc"], "broken": [],
+                                    "survived": ["gap", "acc"]}),
+        "77_extra": _record("77_extra", "error", [], error="Boom <here>"),
+    }
+    for stem, rec in records.items():
+        (out / f"{stem}.json").write_text(json.dumps(rec))
+    for stem in ("00_tour", "11_hps"):
+        (out / f"{stem}.html").write_text("report")
+    (out / "metrics_cache.json").write_text(json.dumps({"something": "else"}))
+    (out / "broken.json").write_text("{")
 
-    html = report.build_index(tmp_path).read_text(encoding="utf-8")
-    body = html.split("<tbody>")[1]
-    assert body.count("<tr>") == 3
-    assert "<script" not in html and "http" not in html
-    assert '<a href="00_tour.html">00_tour</a>' in html
-    assert 'href="01_expo.html"' not in html  # no report page, no link
-    assert "accuracy: 0.9877 &gt;= 0.9 ✓" in html
-    assert '<li class="bad">speedup: 1.235 &gt; 2 ✗</li>' in html
-    assert 'class="failed">failed' in html and 'class="passed">passed' in html
-    assert "Boom &lt;here&gt;" in html
-    assert "scale=smoke" in html and "Title of 00_tour" in html and "Some paper" in html
-    assert "3 notebooks, 1 passed, 37.0 s" in html
-    assert "something" not in html
-    assert not list(tmp_path.glob("*.tmp"))
+    path = report.build_index(out, notebooks=nbs)
+    assert path == out / "index.html" and not list(out.glob("*.tmp"))
+    return path.read_text(encoding="utf-8")
+
+
+def test_papers_registry_matches_notebooks():
+    from lab.papers import ALL, BY_STEM, PAPERS, TOUR
+
+    assert [p.number for p in PAPERS] == list(range(1, 20))
+    assert ALL[0] is TOUR and TOUR.stem == "00_tour" and not TOUR.is_paper
+    assert len(BY_STEM) == 20 and BY_STEM["11_hps"].short == "HPS" and BY_STEM["09_gather_aggregate"].arxiv
+    assert all(p.title and p.authors and p.arxiv for p in PAPERS)
+    unknown = [p.stem for p in sorted(Path(report.NOTEBOOKS).glob("*.ipynb")) if p.stem not in BY_STEM]
+    assert not unknown, f"notebooks missing from lab.papers: {unknown}"
+
+
+def test_index_has_one_row_per_paper_plus_tour_and_other_runs(index_html):
+    from lab.papers import PAPERS
+
+    body = index_html.split("<tbody>")[1]
+    assert body.count("<tr ") == 21  # tour + 19 papers + the unknown 77_extra
+    assert "<script" not in index_html and "http" not in index_html
+    for paper in PAPERS:
+        row = _row(index_html, paper.stem)
+        assert f"<b>{paper.short.replace('&', '&amp;')}</b>" in row
+        assert index_html.count(html_escape(paper.title)) == 1  # the title once, never repeated
+    assert "Title of 00_tour" not in index_html and "Paper line of 11_hps" not in index_html
+    assert "arXiv 2502.14400" in _row(index_html, "11_hps")
+    extra = _row(index_html, "77_extra")  # a record the registry does not know is still shown
+    assert "77_extra" in extra and "Boom &lt;here&gt;" in extra and 'class="error"' in extra
+    assert "something" not in index_html
+
+
+def test_index_status_of_papers_without_runs(index_html):
+    assert '<td class="not-run">not run</td>' in _row(index_html, "03_tlm")  # notebook, no record
+    assert '<td class="coming">coming</td>' in _row(index_html, "02_popper")  # no notebook yet
+    assert "<details>" not in _row(index_html, "03_tlm") and "href" not in _row(index_html, "03_tlm")
+
+
+def test_index_claims_and_sanity_one_click_away(index_html):
+    tour = _row(index_html, "00_tour")
+    assert '<a href="00_tour.html"><b>Tour</b></a>' in tour
+    assert '<td class="passed">passed</td>' in tour  # default parameters: nothing more to say
+    assert "<summary>1/1 " in tour and "sanity 2/2" in tour  # sanity checks are not counted as claims
+    assert "<h4>Sanity checks (not claims)</h4>" in tour and "probabilities sum to one: 1 &gt;= 0.5 ✓" in tour
+    assert '<td class="num">10.0</td>' in tour
+
+    expo = _row(index_html, "01_expo")
+    assert 'href="01_expo.html"' not in expo  # no report page, no link
+    assert 'class="failed">failed' in expo and "ClaimFailed: speedup &lt;too&gt; small" in expo
+    details = expo.split("<details>")[1]
+    assert details.startswith("<summary>1/2 ") and '<small class="bad">· sanity 0/1</small>' in details
+    assert '<li class="ok">accuracy: 0.9877 &gt;= 0.9 ✓</li>' in details
+    assert '<li class="bad">speedup: 1.235 &gt; 2 ✗</li>' in details
+    assert "scale=smoke, device=auto, seed=0, model=tiny" in details
+
+
+def test_index_control_runs_and_parameters(index_html):
+    hps = _row(index_html, "11_hps")
+    status = re.search(r'<td class="(\w+)">(control.*?)</td>', hps).groups()
+    assert status[0] == "ok"
+    assert "control <code>uniform</code>: 2/2 named claims broken ✓" in status[1]
+    assert '<small class="params">seed=3, lr=0.01</small>' in status[1]  # only what differs from the defaults
+    assert "beta" not in status[1] and "scale" not in status[1]
+    assert "hard beats soft: 1 &gt;= 0.5 ✗ <em>(must break)</em>" in hps and "<summary>1/3" in hps
+    assert '<a href="11_hps.html"><b>HPS</b></a>' in hps
+
+    cdpo = _row(index_html, "19_cdpo")
+    assert '<td class="bad">control <code>shuffled</code> did NOT break: gap, acc ✗' in cdpo
+    assert "passed</td>" not in cdpo
+
+    summary = re.search(r'<p class="summary">(.*?)</p>', index_html).group(1)
+    assert summary.startswith("5 notebooks run, 1 passed, 2 control runs (1 broke every claim named), "
+                              "50.0 s in total; 3 of 19 papers have a notebook, 16 coming; generated ")
+
+
+def test_index_control_without_verdict_is_not_a_pass(tmp_path):
+    rec = _record("11_hps", "failed", [_claim("a", False)], params={"control": "noise"})
+    (tmp_path / "11_hps.json").write_text(json.dumps(rec))
+    html = report.build_index(tmp_path, notebooks=tmp_path).read_text(encoding="utf-8")
+    assert '<td class="bad">control <code>noise</code> did NOT break: no claims are named to break ✗' in html
+
+
+def html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)

@@ -18,7 +18,7 @@ in its default config), and "hard" means γ > 0 (the code's `hard` setting uses 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -80,11 +80,23 @@ class Config:
     steps: int = 30
     lr: float = 3e-4
     beta: float = 0.25
-    gamma: float = 5.0
+    gamma: float = 5.0  # fixed-γ HPS
+    curriculum: tuple[float, float] = (-5.0, 5.0)  # the official hard_i schedule, first and last chunk
 
     @classmethod
-    def for_scale(cls, scale: str) -> Config:
-        return cls() if scale == "smoke" else cls(steps=90)
+    def for_scale(cls, scale: str, control: str = "") -> Config:
+        """Sizes for the scale; a control (see `CONTROLS`) replaces HPS's sampler, nothing else."""
+        cfg = cls() if scale == "smoke" else cls(steps=90)
+        if control and control not in CONTROLS:
+            raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
+        γ = {"uniform": 0.0, "easy": -5.0}.get(control)
+        return cfg if γ is None else replace(cfg, gamma=γ, curriculum=(γ, γ))
+
+
+CONTROLS = {
+    "uniform": "HPS's negatives drawn uniformly (γ = 0, fixed and in the curriculum): DPO with a random negative",
+    "easy": "γ = −5 for HPS and its curriculum: the released code's `hard` setting, which favours easy negatives",
+}
 
 
 @dataclass
@@ -147,7 +159,8 @@ def train(method: str, toy: Toy, cfg: Config, seed: int) -> torch.nn.Module:
         if method == "pl":
             loss = plackett_luce(pi.gather(1, order), ref.gather(1, order), beta=cfg.beta)
         elif method.startswith("hps"):
-            gamma = gamma_schedule(step * 5 // cfg.steps) if method == "hps curriculum" else cfg.gamma
+            gamma = (gamma_schedule(step * 5 // cfg.steps, start=cfg.curriculum[0], end=cfg.curriculum[1])
+                     if method == "hps curriculum" else cfg.gamma)
             loss = hps(pi, ref, beta=cfg.beta, r=toy.r, gamma=gamma, generator=g, normalizer=False)
         else:
             neg = toy.r.argmin(-1) if method == "dpo max-min" else sample_negative(toy.r, 0.0, g)

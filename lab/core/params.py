@@ -1,4 +1,4 @@
-"""The four contract parameters every notebook takes, and their validation.
+"""The five contract parameters every notebook takes, and their validation.
 
 `validate` is called twice with the same code: by the runner before any kernel starts (so a bad
 value costs nothing and writes nothing), and by `lab.core.setup` inside the notebook (so a user in
@@ -31,6 +31,11 @@ class Params:
     device: str = "cpu"
     seed: int = 0
     model: str = TINY
+    control: str = ""  # "" runs the paper's method; a name runs one of the notebook's declared controls
+
+    @property
+    def is_control(self) -> bool:
+        return bool(self.control)
 
     def pick(self, *, smoke: Any, full: Any) -> Any:
         """The value for this scale: every size in a notebook comes through here."""
@@ -80,11 +85,25 @@ def resolve_device(device: Any) -> str:
     return ("cuda" if has_cuda else "cpu") if device == "auto" else device
 
 
-def validate(scale: Any = "smoke", device: Any = "auto", seed: Any = 0, model: Any = TINY) -> Params:
+def check_control(control: Any, controls: dict[str, Any] | None) -> str:
+    """`""` or one of the notebook's declared controls (`{name: [claims it must break]}`)."""
+    known = list(controls or {})
+    if control == "":
+        return control
+    if not isinstance(control, str) or control not in known:
+        listed = ", ".join(map(repr, known)) if known else "none (this notebook declares no control)"
+        raise ParamError(f"control={control!r} is not a control of this notebook; its controls are {listed} "
+                         "(or '' for the paper's method).")
+    return control
+
+
+def validate(scale: Any = "smoke", device: Any = "auto", seed: Any = 0, model: Any = TINY, control: Any = "",
+             controls: dict[str, Any] | None = None) -> Params:
     """Check the contract parameters; raise one `ParamError` sentence on the first bad value."""
     if scale not in SCALES:
         raise ParamError(f"scale={scale!r} is not a known scale; use one of {', '.join(map(repr, SCALES))}.")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ParamError(f"seed={seed!r} is not valid; use a non-negative integer.")
     model = check_model(model)
-    return Params(scale=scale, device=resolve_device(device), seed=seed, model=model)
+    control = check_control(control, controls)
+    return Params(scale=scale, device=resolve_device(device), seed=seed, model=model, control=control)

@@ -3,8 +3,9 @@
 Every record is shown twice: as a display output with its own mimetype (so tests and the runner
 can read it back from the executed notebook with `read_records`), and, when the runner set
 `LAB_RECORD_FILE`, appended as one JSON line to that file (the run's JSON is built from it).
-A failed claim is recorded first and then raises `ClaimFailed`, so papermill fails the run and the
-record of what was measured survives.
+Claims (`check`) and implementation invariants (`sanity`) are recorded and returned, never raised
+one at a time: the notebook's last cell calls `verdict()`, which raises one `ClaimFailed` listing every
+failed claim, so papermill fails the run and the reader sees the whole picture.
 """
 
 from __future__ import annotations
@@ -69,25 +70,98 @@ def record(name: str, value: Any) -> Any:
     return value
 
 
-def check(name: str, value: Any, op: str, threshold: float) -> dict:
-    """Record the claim `value op threshold` and raise `ClaimFailed` if it does not hold.
+_session: dict[str, dict] = {}  # this kernel's claims and sanity records by name (a re-run cell replaces its own)
+_control: dict = {"name": "", "must_break": ()}  # set by `lab.core.setup` for a control run
 
-    `value` is what the notebook measured on this run; `threshold` is fixed in the notebook from
-    runs over several seeds, with margin. Returns the record (name, value, op, threshold, passed).
-    """
+
+def start(control: str = "", must_break: tuple[str, ...] = ()) -> None:
+    """Forget earlier records of this kernel and note the control this run makes (called by `setup`)."""
+    _session.clear()
+    _control.update(name=control, must_break=tuple(must_break))
+
+
+def _compare(kind: str, name: str, value: Any, op: str, threshold: float) -> dict:
     if op not in OPS:
         raise ValueError(f"op={op!r} is not a comparison; use one of {', '.join(OPS)}.")
     value = float(value)
     passed = bool(math.isfinite(value) and OPS[op](value, threshold))
-    rec = {"kind": "claim", "name": name, "value": value, "op": op, "threshold": threshold, "passed": passed}
-    mark = "PASS" if passed else "FAIL"
-    text = f"[{mark}] {name}: {fmt(value)} {op} {threshold}"
-    color = "#1a7f37" if passed else "#cf222e"
-    _emit(rec, text, f"<div class='lab-claim' style='color:{color}'><b>{mark}</b> {html.escape(name)}: "
-                     f"measured <b>{fmt(value)}</b>, required {html.escape(op)} {threshold}</div>")
-    if not passed:
-        raise ClaimFailed(f"claim '{name}' failed: measured {fmt(value)}, required {op} {threshold}")
+    rec = {"kind": kind, "name": name, "value": value, "op": op, "threshold": threshold, "passed": passed}
+    _session[name] = rec
     return rec
+
+
+def check(name: str, value: Any, op: str, threshold: float) -> dict:
+    """Record the paper claim `value op threshold` and return the record (name, value, op, threshold, passed).
+
+    It does not raise: `verdict()` in the notebook's last cell judges every claim at once. `value` is what
+    this run measured; `threshold` is fixed in the notebook from a seed sweep (`python -m lab sweep`).
+    """
+    rec = _compare("claim", name, value, op, threshold)
+    mark = "PASS" if rec["passed"] else "FAIL"
+    text = f"[{mark}] {name}: {fmt(rec['value'])} {op} {threshold}"
+    color = "#1a7f37" if rec["passed"] else "#cf222e"
+    _emit(rec, text, f"<div class='lab-claim' style='color:{color}'><b>{mark}</b> {html.escape(name)}: "
+                     f"measured <b>{fmt(rec['value'])}</b>, required {html.escape(op)} {threshold}</div>")
+    return rec
+
+
+def sanity(name: str, value: Any, op: str, threshold: float) -> dict:
+    """Record an implementation invariant (kernel = reference, gathered = dense): not a paper claim.
+
+    Shown apart from the claims and never counted as one; `verdict()` still fails the run when it does
+    not hold, because then the measurements above it cannot be trusted.
+    """
+    rec = _compare("sanity", name, value, op, threshold)
+    mark = "ok" if rec["passed"] else "BROKEN"
+    text = f"(sanity {mark}) {name}: {fmt(rec['value'])} {op} {threshold}"
+    color = "#57606a" if rec["passed"] else "#cf222e"
+    _emit(rec, text, f"<div class='lab-sanity' style='color:{color}'><i>sanity {mark}</i> {html.escape(name)}: "
+                     f"{fmt(rec['value'])} {html.escape(op)} {threshold}</div>")
+    return rec
+
+
+def judge(claims: dict[str, dict], control: str = "", must_break: tuple[str, ...] = ()) -> dict:
+    """What a run's records say: failed claims and sanity records, and for a control run which of the
+    claims it must break did fail (`broken`) and which held or were never measured (`survived`)."""
+    failed = [n for n, r in claims.items() if r["kind"] == "claim" and not r["passed"]]
+    broken_sanity = [n for n, r in claims.items() if r["kind"] == "sanity" and not r["passed"]]
+    out = {"failed": failed, "sanity_failed": broken_sanity}
+    if control:
+        out["control"] = {"name": control, "must_break": list(must_break),
+                          "broken": [n for n in must_break if n in failed],
+                          "survived": [n for n in must_break if n not in failed]}
+    return out
+
+
+def verdict() -> dict:
+    """The last cell of every notebook: raise one `ClaimFailed` listing every failed claim (and sanity record).
+
+    A control run (`control=...`) always raises: its claims are meant to fail. The message says whether
+    every claim the control must break did fail. Returns the summary when every claim held.
+    """
+    claims = {n: r for n, r in _session.items() if r["kind"] == "claim"}
+    result = judge(_session, _control["name"], _control["must_break"])
+    n_pass = len(claims) - len(result["failed"])
+    lines = [f"{n_pass}/{len(claims)} claims hold"]
+    lines += [f"  FAILED {n}: measured {fmt(_session[n]['value'])}, required {_session[n]['op']} "
+              f"{_session[n]['threshold']}" for n in result["failed"]]
+    lines += [f"  SANITY BROKEN {n}: {fmt(_session[n]['value'])} {_session[n]['op']} {_session[n]['threshold']}"
+              for n in result["sanity_failed"]]
+    if "control" in result:
+        c = result["control"]
+        head = (f"control run '{c['name']}': {len(c['broken'])}/{len(c['must_break'])} of the claims it must "
+                f"break failed" + (" (as they must)." if not c["survived"] else
+                                   f"; it did NOT break: {', '.join(c['survived'])}."))
+        lines.insert(0, head)
+        rec = {"kind": "control", "name": "control", "value": c}
+        _emit(rec, "\n".join(lines), f"<pre class='lab-verdict'>{html.escape(chr(10).join(lines))}</pre>")
+        raise ClaimFailed("\n".join(lines))
+    if not claims:
+        raise ClaimFailed("this notebook recorded no claim; a notebook states and checks its paper's claims.")
+    if result["failed"] or result["sanity_failed"]:
+        raise ClaimFailed("\n".join(lines))
+    print(lines[0] + ".")
+    return result
 
 
 def read_records(nb: Any) -> dict[str, dict]:

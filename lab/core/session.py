@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from lab.core import records
 from lab.core.params import Params, validate
 
 log = logging.getLogger(__name__)
@@ -28,16 +29,23 @@ def seed_everything(seed: int, *, cuda: bool = False) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str = "tiny", *,
-          quiet: bool | None = None, threads: int | None = None) -> Params:
+def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str = "tiny", control: str = "", *,
+          controls: dict[str, list[str]] | None = None, quiet: bool | None = None,
+          threads: int | None = None) -> Params:
     """Validate the parameters, seed everything, configure threads, logging, progress and plotly.
+
+    `controls` declares the notebook's controls, `{name: [names of the claims it must break]}`: the
+    substitutions a skeptic would make (the method replaced by its baseline, or a known-wrong variant).
+    `control=name` runs one; `verdict()` then reports whether every claim it names did fail. The runner
+    reads this literal from the setup cell to reject an unknown control before a kernel starts.
 
     At smoke scale torch uses one thread (tiny models run ~40x faster than with two contending
     threads on a 2-core machine) and the hub is switched off (`HF_HUB_OFFLINE=1`): smoke runs never
     touch the network. `quiet=True` hides progress bars (default: the `LAB_QUIET` environment variable).
     """
     global _quiet
-    params = validate(scale, device, seed, model)
+    params = validate(scale, device, seed, model, control, controls)
+    records.start(params.control, tuple((controls or {}).get(params.control, ())))
     if params.device != "cuda":  # Triton kernels (kernels/) then run on CPU through the interpreter; the flag is
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton first loads (set_seed, torch.compile, ...)
     import torch
@@ -59,8 +67,8 @@ def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str 
         pio.renderers.default = "plotly_mimetype"
     except ImportError:
         pass
-    log.info("params: scale=%s device=%s seed=%d model=%s", *(getattr(params, k) for k in
-                                                                ("scale", "device", "seed", "model")))
+    log.info("params: scale=%s device=%s seed=%d model=%s control=%r",
+             params.scale, params.device, params.seed, params.model, params.control)
     return params
 
 

@@ -163,7 +163,11 @@ def _store_entry(model: torch.nn.Module, entry: Path, meta: dict) -> None:
         meta = {**meta, "sha256": _sha256(tmp / "model.safetensors")}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         shutil.rmtree(entry, ignore_errors=True)
-        os.replace(tmp, entry)
+        try:
+            os.replace(tmp, entry)
+        except OSError:  # another process (a parallel test or sweep) stored the same key meanwhile
+            if not (entry / "meta.json").exists():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -75,3 +75,25 @@ def test_the_toy_candidates_rewards_and_metrics():
         assert toy.r[c, 0] == 1 and (toy.r[c, 1:1 + cfg.n_hard] >= 0.6).all() and (toy.r[c, 1 + cfg.n_hard:] <= 0).all()
     m = metrics(toy.reference, toy, cfg)
     assert 0 <= m["harm"] <= 1 and 0 <= m["p_best"] + m["p_hard"] + m["p_easy"] <= 1 + 1e-6
+
+
+def test_controls_replace_only_the_sampler():
+    """`uniform` makes HPS exactly DPO with a random negative (same draws, same weights); `easy` is γ = −5 for
+    both HPS arms; neither touches the baselines' settings."""
+    from dataclasses import replace
+
+    from lab.align.hps import CONTROLS, Config, make_toy, train
+
+    base = replace(Config.for_scale("smoke"), n_prompts=3, sft_steps=5, d_model=16, steps=4)
+    uni = replace(Config.for_scale("smoke", "uniform"), n_prompts=3, sft_steps=5, d_model=16, steps=4)
+    easy = Config.for_scale("smoke", "easy")
+    assert (uni.gamma, uni.curriculum) == (0.0, (0.0, 0.0)) and (easy.gamma, easy.curriculum) == (-5.0, (-5.0, -5.0))
+    assert replace(uni, gamma=base.gamma, curriculum=base.curriculum) == base and set(CONTROLS) == {"uniform", "easy"}
+    toy = make_toy(base, 0)
+    a, b = train("hps", toy, uni, 0), train("dpo random", toy, base, 0)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    c = train("hps", toy, base, 0)  # the paper's γ = 5 does move differently
+    assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+    with pytest.raises(ValueError, match="unknown control"):
+        Config.for_scale("smoke", "nonsense")

@@ -1,0 +1,207 @@
+"""Results from data: seed sweeps recorded in `notebooks/results/<stem>.json`, and the tables drawn from them.
+
+`python -m lab sweep <notebook> --seeds 0-9` runs the notebook once per seed and once per declared
+control (seed 0 by default), each in its own `python -m lab run` subprocess, and writes one file:
+
+    {"notebook", "date", "commit", "params" (overrides), "seeds",
+     "claims": {name: {"op", "threshold"}},                      # as the notebook states them now
+     "runs": [{"seed", "status", "seconds", "values": {name: value}, "passed": {name: bool}}],
+     "controls": {name: {"seed", "status", "must_break", "broken", "survived", "values"}}}
+
+The notebook's Results section shows `seed_table(stem)`, never a table typed by hand; `problems`
+is what the hygiene test asserts on (a missing or stale file, a threshold not met on a recorded seed).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+
+from lab.core.records import OPS, fmt
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "notebooks" / "results"
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`0-9`, `0,3,5` or `0-4,7` -> a sorted list of seeds."""
+    seeds: set[int] = set()
+    try:
+        for part in str(text).split(","):
+            lo, _, hi = part.strip().partition("-")
+            seeds.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"seeds {text!r} are not a list like 0-9 or 0,3,5.") from None
+    if not seeds or min(seeds) < 0:
+        raise ValueError(f"seeds {text!r} name no non-negative seed.")
+    return sorted(seeds)
+
+
+def path_of(stem: str, folder: Path | None = None) -> Path:
+    return (Path(folder) / "results" if folder else RESULTS) / f"{stem}.json"
+
+
+def _commit() -> str:
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    sha = git("rev-parse", "--short", "HEAD") or "unknown"
+    return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def sweep(nb: Path, jobs: list[tuple[int, str]], overrides: dict, *, n_jobs: int = 2,
+          cell_timeout: int | None = None) -> list[dict]:
+    """Run `(seed, control)` jobs of one notebook, `n_jobs` at a time; returns their run records."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"lab-sweep-{nb.stem}-"))
+
+    def one(job: tuple[int, str]) -> dict:
+        seed, control = job
+        out = tmp / f"{control or 'method'}-{seed}"
+        args = [sys.executable, "-m", "lab", "--notebooks", str(nb.parent), "run", nb.stem, "--out", str(out),
+                "--no-page", "-p", "seed", str(seed)] + (["-p", "control", control] if control else [])
+        for k, v in overrides.items():
+            args += ["-p", k, str(v)]
+        if cell_timeout:
+            args += ["--cell-timeout", str(cell_timeout)]
+        proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+        rec_path = out / f"{nb.stem}.json"
+        if not rec_path.exists():
+            return {"params": {"seed": seed, "control": control}, "status": "error", "claims": [],
+                    "seconds": 0.0, "error": proc.stderr.strip()[-500:]}
+        rec = json.loads(rec_path.read_text())
+        mark = "control" if control else "seed"
+        print(f"{nb.stem} {mark} {control or seed}: {rec['status']} in {rec['seconds']:.0f} s", flush=True)
+        return rec
+
+    with ThreadPoolExecutor(max(1, n_jobs)) as pool:
+        return list(pool.map(one, jobs))
+
+
+def write(target: Path, stem: str, runs: list[dict], overrides: dict, controls: dict[str, list[str]], *,
+          keep_controls: bool = False) -> dict:
+    """Write the results file from sweep run records (and return its data)."""
+    method = [r for r in runs if not r["params"].get("control")]
+    claims: dict[str, dict] = {}
+    for r in method:
+        for c in r["claims"]:
+            claims.setdefault(c["name"], {"op": c["op"], "threshold": c["threshold"]})
+    data = {"notebook": stem, "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "commit": _commit(), "params": overrides, "seeds": sorted(r["params"]["seed"] for r in method),
+            "claims": claims, "runs": [], "controls": {}}
+    for r in sorted(method, key=lambda r: r["params"]["seed"]):
+        data["runs"].append({"seed": r["params"]["seed"], "status": r["status"], "seconds": r["seconds"],
+                             "values": {c["name"]: c["value"] for c in r["claims"]},
+                             "passed": {c["name"]: c["passed"] for c in r["claims"]},
+                             **({"error": r["error"]} if r.get("error") else {})})
+    for r in runs:
+        name = r["params"].get("control")
+        if name:
+            c = r.get("control") or {"must_break": controls.get(name, []), "broken": [],
+                                     "survived": controls.get(name, [])}
+            data["controls"][name] = {"seed": r["params"]["seed"], "status": r["status"],
+                                      "must_break": c["must_break"], "broken": c["broken"],
+                                      "survived": c["survived"], "values": {x["name"]: x["value"] for x in r["claims"]}}
+    if keep_controls and target.exists():
+        data["controls"] = json.loads(target.read_text()).get("controls", {})
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def load(stem: str, folder: Path | None = None) -> dict | None:
+    p = path_of(stem, folder)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def holds(data: dict) -> bool:
+    """Every seed ran and passed every claim, and every control broke every claim it names."""
+    return (all(r["status"] == "passed" for r in data["runs"])
+            and all(not c["survived"] for c in data["controls"].values()))
+
+
+def problems(stem: str, claims: list[dict], controls: dict[str, list[str]], *, folder: Path | None = None,
+             seeds: range = range(10)) -> list[str]:
+    """Why the recorded sweep no longer supports the notebook's claims (empty when it does).
+
+    `claims` are the claim records of a fresh run (name, op, threshold); `controls` the declared ones.
+    """
+    data = load(stem, folder)
+    if data is None:
+        return [f"no results file {path_of(stem, folder)}; run `python -m lab sweep {stem}`"]
+    out = []
+    now = {c["name"]: c for c in claims}
+    if set(now) != set(data["claims"]):
+        out.append(f"claims changed since the sweep: new {sorted(set(now) - set(data['claims']))}, "
+                   f"gone {sorted(set(data['claims']) - set(now))}")
+    missing = sorted(set(seeds) - set(data["seeds"]))
+    if missing:
+        out.append(f"seeds {missing} not recorded")
+    for r in data["runs"]:
+        if r["status"] != "passed" and not set(r["values"]) >= set(now):
+            out.append(f"seed {r['seed']}: {r['status']} {r.get('error', '')}".strip())
+        for name, c in now.items():
+            v = r["values"].get(name)
+            if v is not None and not (isinstance(v, (int, float)) and OPS[c["op"]](v, c["threshold"])):
+                out.append(f"seed {r['seed']}: {name} = {fmt(v)} does not meet {c['op']} {c['threshold']}")
+    for name, must in controls.items():
+        rec = data["controls"].get(name)
+        if rec is None:
+            out.append(f"control {name!r} not recorded")
+            continue
+        for claim in must:
+            v = rec["values"].get(claim)
+            c = now.get(claim)
+            if c is None:
+                out.append(f"control {name!r} names {claim!r}, which the notebook does not check")
+            elif v is not None and isinstance(v, (int, float)) and OPS[c["op"]](v, c["threshold"]):
+                out.append(f"control {name!r} does not break {claim!r} (recorded {fmt(v)})")
+    return out
+
+
+def seed_table(stem: str, folder: Path | None = None):
+    """The notebook's claims over the recorded seeds and controls, as a pandas DataFrame.
+
+    One row per claim: the requirement, min / max over seeds, how many seeds meet it, and for each
+    control the value it recorded with ✗ where it broke the claim (— where the control does not name it).
+    """
+    import pandas as pd
+
+    data = load(stem, folder)
+    if data is None:
+        return pd.DataFrame({"note": [f"no sweep recorded: run `python -m lab sweep {stem}`"]})
+    rows = {}
+    for name, c in data["claims"].items():
+        vals = [r["values"][name] for r in data["runs"] if isinstance(r["values"].get(name), (int, float))]
+        ok = sum(OPS[c["op"]](v, c["threshold"]) for v in vals)
+        row = {"required": f"{c['op']} {c['threshold']}", "min": fmt(min(vals)) if vals else "",
+               "max": fmt(max(vals)) if vals else "", "seeds": f"{ok}/{len(data['runs'])}"}
+        for cname, rec in data["controls"].items():
+            v = rec["values"].get(name)
+            cell = "—" if v is None else fmt(v)
+            if name in rec["must_break"]:
+                cell += " ✗" if name in rec["broken"] else " (held!)"
+            row[f"control {cname}"] = cell
+        rows[name] = row
+    df = pd.DataFrame.from_dict(rows, orient="index")
+    df.index.name = f"seeds {fmt(data['seeds'])} · {data['date'][:10]} · {data['commit']}"
+    return df
+
+
+def summary(data: dict) -> str:
+    """A few lines for the terminal after a sweep."""
+    lines = [f"{data['notebook']}: seeds {data['seeds']} -> {sum(r['status'] == 'passed' for r in data['runs'])}"
+             f"/{len(data['runs'])} passed"]
+    for r in data["runs"]:
+        bad = [n for n, ok in r["passed"].items() if not ok]
+        if bad or r["status"] != "passed":
+            lines.append(f"  seed {r['seed']} {r['status']}: " + "; ".join(
+                f"{n} = {fmt(r['values'][n])}" for n in bad) + (f" {r.get('error', '')}" if not bad else ""))
+    for name, c in data["controls"].items():
+        lines.append(f"  control {name}: broke {len(c['broken'])}/{len(c['must_break'])}" +
+                     (f"; held: {c['survived']}" if c["survived"] else ""))
+    return "\n".join(lines)
