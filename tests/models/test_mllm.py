@@ -44,7 +44,15 @@ def test_trains_and_caches_through_fit(tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE", str(tmp_path))
     w = VisualQA()
     build = lambda: tiny_mllm(vocab_size=len(w.tokenizer), d_model=16, n_layers=1, n_heads=2)
-    first = fit(build, w, TrainConfig(steps=5, batch_size=8), quiet=True)
-    again = fit(build, w, TrainConfig(steps=5, batch_size=8), quiet=True)
-    assert not first.cached and again.cached and first.losses[-1] < first.losses[0] + 1.0
+    torch.manual_seed(0)
+    untrained = build().eval()  # the same initialisation fit starts from (it seeds with cfg.seed = 0)
+    first = fit(build, w, TrainConfig(steps=20, batch_size=8), quiet=True)
+    again = fit(build, w, TrainConfig(steps=20, batch_size=8), quiet=True)
+    assert not first.cached and again.cached
     assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), again.model.parameters()))
+    held_out = w.batch(64, torch.Generator().manual_seed(123))
+    with torch.no_grad():
+        before, after = untrained(**held_out).loss.item(), first.model(**held_out).loss.item()
+    # measured over seeds 0-2: held-out loss 3.76-3.80 -> 3.20-3.31 (a drop of 0.49-0.56 nats), same on the train log
+    assert after < before - 0.3
+    assert first.losses[-1] < first.losses[0] - 0.3

@@ -25,10 +25,10 @@ def test_sizes_are_keyword_only_and_honoured():
 
 
 def test_mixtral_experts_are_fused():
-    m = tiny_mixtral(vocab_size=20, d_model=32, n_layers=1, n_experts=4, d_ff=16)
+    m = tiny_mixtral(vocab_size=20, d_model=32, n_layers=1, n_experts=4, d_ff=24)  # 2·d_ff ≠ d_model ≠ d_ff
     experts = m.model.layers[0].mlp.experts
-    assert experts.gate_up_proj.shape == (4, 32, 32) or experts.gate_up_proj.shape[0] == 4
-    assert experts.down_proj.shape[0] == 4
+    assert experts.gate_up_proj.shape == (4, 2 * 24, 32)  # (E, 2F, H): gate rows, then up rows
+    assert experts.down_proj.shape == (4, 32, 24)  # (E, H, F)
 
 
 def test_mamba2_head_dim_must_divide():

@@ -1,6 +1,7 @@
+import math
+
 import pytest
 
-from lab.align import infalign as I
 from lab.widgets.calibrated import calibrated_explorer, frontier_figure
 
 
@@ -8,9 +9,14 @@ def test_explorer_reports_what_the_analytical_tool_computes():
     box = calibrated_explorer(M=2000)
     c = box.controls
     c["t"].value, c["log_beta"].value, c["N"].value = 0.0, 0.0, 1
-    u = I.grid(2000)
-    q = I.density(I.identity, float(u.max() - u.min()), u)  # β is relative to Φ's range on the grid
-    assert box.state["kl"] == pytest.approx(I.kl(q)) and f"KL = {I.kl(q):.3f}" in box.readout.value
+    # Φ = identity, β = Φ's range on the 2000-cell grid = 1999/2000: q(u) = e^{u/β} / (β(e^{1/β} − 1)) on [0, 1],
+    # so E_q[u] = 1/(1 − e^{−1/β}) − β (the standard win rate P(u_π > u_ref) = ∫ q(u)·u du) and
+    # KL = ∫ q log q = E_q[u]/β − log(β(e^{1/β} − 1)) (closed forms; the grid's midpoint rule is within 1e-7)
+    b = 1999 / 2000
+    mean_u = 1 / (1 - math.exp(-1 / b)) - b
+    kl = mean_u / b - math.log(b * (math.exp(1 / b) - 1))
+    assert box.state["kl"] == pytest.approx(kl, abs=1e-6) and f"KL = {kl:.3f}" in box.readout.value
+    assert box.state["w1"] == pytest.approx(mean_u, abs=1e-6) and f"standard win = {mean_u:.3f}" in box.readout.value
     before = box.state["wN"]
     c["N"].value = 8
     assert box.state["wN"] != before and "BoN-8" in box.readout.value

@@ -1,6 +1,5 @@
 import torch
 
-from lab.align.cdpo import ce_scores
 from lab.data.arith import TrickyArithmetic
 from lab.models import tiny_llama
 from lab.widgets.critical import critical_explorer, critical_figure
@@ -12,6 +11,15 @@ def models():
     torch.manual_seed(0)
     V = len(TASK.tokenizer)
     return [tiny_llama(vocab_size=V, d_model=16, n_layers=1, n_heads=2, max_len=16).eval() for _ in range(2)]
+
+
+def scores(pos, neg, prompt, y, beta):
+    """s_t = softmax((1 + β)·logits_p − β·logits_n)[y_t] at each response position, from the raw logits."""
+    ids, P = torch.cat([prompt, y], 1), prompt.shape[1]
+    with torch.no_grad():
+        lp, ln = pos(input_ids=ids).logits[0], neg(input_ids=ids).logits[0]
+    return torch.stack([((1 + beta) * lp[P - 1 + t] - beta * ln[P - 1 + t]).softmax(-1)[y[0, t]]
+                        for t in range(y.shape[1])])
 
 
 def test_explorer_rescores_marks_and_reports_pass_at_k():
@@ -28,13 +36,13 @@ def test_explorer_rescores_marks_and_reports_pass_at_k():
     box = critical_explorer(pos, neg, TASK.tokenizer, q["prompt"], y, rollouts=c, critical=torch.tensor([0, 2, 1]),
                             pass_k=pass_k)
     ctl = box.controls
-    want = ce_scores(pos, neg, q["prompt"][:1], y[:1], beta=1.0)[0]
+    want = scores(pos, neg, q["prompt"][:1], y[:1], beta=1.0)
     torch.testing.assert_close(torch.tensor(box.figure.data[0].z[0]), 1 - want)
     assert list(box.figure.data[1].y) == c[0].tolist()
     assert box.figure.layout.shapes[0].x0 == -0.5  # the critical token (0) is boxed
     assert "@8 0.00 / <b>1.00</b>" in box.readout.value
     ctl["beta"].value = 3.0
-    torch.testing.assert_close(box.scores, ce_scores(pos, neg, q["prompt"][:1], y[:1], beta=3.0)[0])
+    torch.testing.assert_close(box.scores, scores(pos, neg, q["prompt"][:1], y[:1], beta=3.0))
     ctl["trajectory"].value = 1
     assert box.figure.layout.shapes[0].x0 == 1.5 and list(box.figure.data[1].y) == c[1].tolist()
     ctl["position"].value = 3

@@ -1,6 +1,7 @@
+import math
+
 import pytest
 
-from lab.interp.emi import upper_bound
 from lab.widgets.emi_bounds import derived, emi_explorer, grid_figure, scatter_figure
 
 ROWS, COLS = [("clean", 0), ("blur", 3)], [("clean", 0), ("typo", 1), ("typo", 3)]
@@ -20,7 +21,9 @@ def test_derived_metrics_and_views():
     g = grid()
     d = derived(g)
     assert d[ROWS[1], COLS[2]]["EMID"] == pytest.approx(0.5)  # EMI(ID) − EMI(OOD) = 0 − (−0.5)
-    assert d[ROWS[0], COLS[1]]["bound"] == pytest.approx(upper_bound(0.01, 0.02, 0.001, 0.003))
+    # k = 1: JSDs (0.01, 0.02, 0.001, 0.003); the bound is √JSD_v + √JSD_t + JSD_py^¼ + JSD_qy^¼
+    want = math.sqrt(0.01) + math.sqrt(0.02) + 0.001**0.25 + 0.003**0.25
+    assert d[ROWS[0], COLS[1]]["bound"] == pytest.approx(want)
     assert grid_figure(g, ROWS, COLS, "RP").data[0].z[1][2] == pytest.approx(0.5)
     _, r, p = scatter_figure(g)
     assert r > 0.9 and p < 0.05
