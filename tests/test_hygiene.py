@@ -32,7 +32,7 @@ def test_notebook_is_clean_and_follows_the_contract(path: Path):
 
     assigned = [t.target.id for t in ast.parse(first.source).body if isinstance(t, ast.AnnAssign)]
     assert list(params) == assigned, "papermill must parse every parameter (no ' = ' inside a comment)"
-    assert list(params)[:4] == list(CONTRACT)
+    assert list(params)[:5] == list(CONTRACT)
     assert [params[k]["default"] for k in CONTRACT] == ['"smoke"', '"auto"', "0", '"tiny"', '""']
     assert "lab.core.setup(scale, device, seed, model, control" in code[1].source, "the setup cell comes second"
     assert code[-1].source.strip() == "lab.core.verdict()", "the last code cell judges every claim at once"

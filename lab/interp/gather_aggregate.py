@@ -29,6 +29,14 @@ from torch import nn
 
 Heads = dict[int, Iterable[int]]  # layer -> head indices
 
+# the notebook's controls: the substitutions a skeptic would make (`control=` in the notebook)
+CONTROLS = {
+    "random_heads": "remove as many heads as the aggregate layer has, drawn at random from both layers of the "
+                    "minimal model, instead of the aggregate layer's heads",
+    "shuffled": "measure the aggregate row's mass on a randomly drawn wrong option instead of the answer's option",
+    "untrained": "the same two architectures at their random initialisation, never trained",
+}
+
 # (gather (layer, head), aggregate (layer, head)) reported in the paper / official notebook
 PAPER_HEADS = {"meta-llama/Llama-3.1-8B-Instruct": ((16, 22), (17, 24))}
 
@@ -129,6 +137,23 @@ def pruned(model: nn.Module, *, keep_layers: int | None = None, skip: int | None
     finally:
         for i, block in enumerate(original):
             mods[i] = block
+
+
+def all_heads(model: nn.Module, layer: int) -> Heads:
+    """Every head of one layer, as an `ablate` argument (removing them all silences the layer's mixer)."""
+    return {layer: list(range(head_shape(model, layer)[0]))}
+
+
+def random_heads(model: nn.Module, layer_ids: Iterable[int], n: int, generator: torch.Generator) -> Heads:
+    """`n` heads drawn uniformly without replacement from all heads of `layer_ids`: the random-heads control
+    (an ablation of the same size as the one it stands in for, not targeted at any layer)."""
+    pool = [(layer, h) for layer in layer_ids for h in range(head_shape(model, layer)[0])]
+    if not 0 <= n <= len(pool):
+        raise ValueError(f"cannot draw {n} heads from {len(pool)}.")
+    out: dict[int, list[int]] = {}
+    for i in torch.randperm(len(pool), generator=generator)[:n].tolist():
+        out.setdefault(pool[i][0], []).append(pool[i][1])
+    return {layer: sorted(hs) for layer, hs in out.items()}
 
 
 # ------------------------------------------------------------------------------------ the protocol
@@ -246,6 +271,19 @@ def sharpness(row: torch.Tensor, target: int | Sequence[int]) -> tuple[float, fl
     p = p / p.sum()
     entropy = -(p * p.clamp_min(1e-12).log()).sum().item()
     return p[torch.as_tensor(target)].sum().item(), entropy
+
+
+def decoy_positions(ids: torch.Tensor, target: torch.Tensor, delim_id: int, generator: torch.Generator
+                    ) -> torch.Tensor:
+    """For each row of `ids` (n, T), the position of a delimiter drawn uniformly among those that are not
+    `target` (n,), the answer's: the shuffled-labels control of the sharpness measurement."""
+    out = []
+    for row, t in zip(ids, target.tolist()):
+        others = [p for p in (row == delim_id).nonzero().flatten().tolist() if p != t]
+        if not others:
+            raise ValueError("a prompt has no delimiter besides the answer's.")
+        out.append(others[int(torch.randint(len(others), (), generator=generator))])
+    return torch.tensor(out)
 
 
 def max_entropy(T: int) -> float:

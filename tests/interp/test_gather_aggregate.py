@@ -194,3 +194,38 @@ def test_paper_heads_by_hub_id_or_folder_name():
     assert ga.paper_heads("meta-llama/Llama-3.1-8B-Instruct") == want
     assert ga.paper_heads("/models/llama-3.1-8b-instruct/") == want
     assert ga.paper_heads("/tmp/some-tiny-model") is None
+
+
+def test_all_heads_silences_the_layer_and_random_heads_draws_a_seeded_set_of_that_size():
+    m = MODELS["mamba2"].eval()
+    H, _ = ga.head_shape(m, 1)
+    assert ga.all_heads(m, 1) == {1: list(range(H))}
+    with ga.ablate(m, ga.all_heads(m, 1)):
+        assert ga.out_proj(m, 1).weight.abs().sum() == 0
+    draws = [ga.random_heads(m, (0, 1), H, torch.Generator().manual_seed(s)) for s in range(20)]
+    assert all(sum(map(len, d.values())) == H for d in draws)  # as many heads as the layer it stands in for
+    assert all(len(set(hs)) == len(hs) and set(hs) <= set(range(H)) for d in draws for hs in d.values())
+    assert draws[0] == ga.random_heads(m, (0, 1), H, torch.Generator().manual_seed(0))
+    assert any(0 in d for d in draws) and any(d != {1: list(range(H))} for d in draws)  # not targeted at layer 1
+    with pytest.raises(ValueError):
+        ga.random_heads(m, (0, 1), 2 * H + 1, torch.Generator())
+
+
+def test_decoy_positions_are_other_delimiters():
+    D = 9
+    ids = torch.tensor([[0, 5, 6, D, 5, 6, D, 5, 6, D, 3]] * 50)
+    target = torch.tensor([3, 6, 9, 3, 6] * 10)
+    decoy = ga.decoy_positions(ids, target, D, torch.Generator().manual_seed(0))
+    assert torch.all(ids[torch.arange(50), decoy] == D) and torch.all(decoy != target)
+    assert set(decoy.tolist()) == {3, 6, 9}  # every wrong option gets drawn
+    with pytest.raises(ValueError):
+        ga.decoy_positions(ids[:1, :4], torch.tensor([3]), D, torch.Generator())
+
+
+def test_the_notebook_declares_the_documented_controls():
+    from pathlib import Path
+
+    from lab.cli import declared_controls
+
+    nb = Path(__file__).resolve().parents[2] / "notebooks" / "09_gather_aggregate.ipynb"
+    assert set(declared_controls(nb)) == set(ga.CONTROLS) == {"random_heads", "shuffled", "untrained"}
