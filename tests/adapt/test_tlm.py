@@ -106,3 +106,24 @@ def test_online_predicts_each_chunk_before_training_on_it():
     preds, log = T.adapt_online(m, inputs, T.tlm_objective(threshold=0.0), chunk=2, lr=1e-2, predict=predict)
     assert seen == [2, 2, 1] and len(preds) == 5 and log.backward_passes == 5
     assert preds[0] == pytest.approx(T.sample_ce(T.add_lora(model()), inputs[0]).item())  # before any update
+
+
+def test_the_notebook_controls_substitutions():
+    """03_tlm's controls: `no_adapt` (lr 0) leaves the model the base model; `no_sel` makes online TLM
+    learn from every input, where SEL skips the ones it has learned."""
+    inputs = [torch.randint(V, (1, 10), generator=torch.Generator().manual_seed(i % 3)) for i in range(24)]
+    m = T.add_lora(model(), targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    with torch.no_grad():
+        ce0 = T.sample_ce(m, torch.cat(inputs))
+    threshold = ce0.min().item() - 0.1  # every input selected at the start
+    log = T.adapt(m, inputs, T.tlm_objective(threshold=threshold), lr=0.0)
+    assert log.backward_passes == len(inputs)
+    with torch.no_grad():
+        assert torch.equal(T.sample_ce(m, torch.cat(inputs)), ce0)
+    counts = {}
+    for sel in (True, False):
+        m = T.add_lora(model(), targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+        _, log = T.adapt_online(m, inputs, T.tlm_objective(threshold=threshold, sel=sel), chunk=4, lr=3e-2,
+                                predict=lambda part: [None] * len(part))
+        counts[sel] = log.backward_passes
+    assert counts[False] == len(inputs) and counts[True] < len(inputs)
