@@ -25,6 +25,7 @@ from torch import Tensor
 from lab.align.exact import all_sequences, fit_exact, seq_logprobs
 
 METHODS = ("dpo", "ipo", "fdpo_js", "rlhf", "expo")  # the §5 comparison; λ is β for the DPO family
+CONTROLS = {"dpo": "EXPO replaced by DPO (β = λ) in the same solves and trainings (same data, λ, lr and steps)"}
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,21 @@ class Config:
     lm_batch: int = 128  # pairs per prompt per step
     lm_lr: float = 2e-3
     bad_kl: float = 1.0  # KL(π*_bad ‖ π_ref,bad) of the tilted target
+    expo_loss: str = "expo"  # the loss trained wherever the notebook runs EXPO (a control substitutes it)
 
     @classmethod
-    def for_scale(cls, scale: str) -> Config:
-        if scale == "smoke":
-            return cls()
+    def for_scale(cls, scale: str, control: str = "") -> Config:
+        """Sizes for the scale; a control (see `CONTROLS`) replaces EXPO's loss, nothing else."""
+        if control and control not in CONTROLS:
+            raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
         grid = tuple(x / 2 for x in range(-10, 11))
-        return cls(interp_log_lams=grid, preserve_log_lams=grid, epochs=1000, lm_lams=(0.03, 0.1, 0.3, 1.0, 3.0, 10.0),
-                   lm_steps=400)
+        sizes = {} if scale == "smoke" else dict(interp_log_lams=grid, preserve_log_lams=grid, epochs=1000,
+                                                   lm_lams=(0.03, 0.1, 0.3, 1.0, 3.0, 10.0), lm_steps=400)
+        return cls(**sizes, **({"expo_loss": control} if control else {}))  # each control names the loss it trains
+
+    def loss(self, method: str) -> str:
+        """The loss actually trained for `method`: EXPO's substitute under a control, else the method itself."""
+        return self.expo_loss if method == "expo" else method
 
     @staticmethod
     def settings() -> dict[str, tuple[Tensor, Tensor]]:
@@ -200,6 +208,15 @@ def sweep(method: str, pi_ref: Tensor, pi_star: Tensor, log_lams) -> Tensor:
     import math
 
     return torch.stack([solve(method, pi_ref, pi_star, math.exp(ll)) for ll in log_lams])
+
+
+def preservation_kl(method: str, log_lams, pi: Tensor | None = None) -> Tensor:
+    """What claim C1 measures: KL(π* ‖ π_θ) (L,) of `method`'s population solution at each log λ on a context
+    whose reference is already optimal, π_ref = π* = `pi` (default the §5 *good* context [.6, .3, .1]).
+    0 means the context is preserved; C1 reads the max over λ for EXPO and the min over log λ ≤ 0 for DPO."""
+    pi = Config.settings()["good"][1] if pi is None else pi.double()
+    solutions = sweep(method, pi, pi, log_lams)
+    return (pi * (pi.log() - solutions.log())).sum(-1)
 
 
 # ------------------------------------------- the same tests on a tiny transformer (exact enumeration)

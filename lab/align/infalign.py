@@ -84,6 +84,28 @@ def exp_won(t: float) -> Transform:
     return lambda u: -torch.exp(-t * u)
 
 
+CONTROLS = {
+    "identity": "CTRL's transform Φ_t replaced by the identity on the calibrated reward (calibrated RLHF, "
+                "InfAlign's own baseline), for every t and both signs",
+    "raw": "CTRL's per-prompt calibration replaced by the raw reward, min-max scaled to [0, 1] over all prompts "
+           "(standard RLHF's reward, brought into the transforms' range)",
+}
+
+
+def check_control(control: str) -> str:
+    if control and control not in CONTROLS:
+        raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
+    return control
+
+
+def transform(kind: str, t: float, control: str = "") -> Transform:
+    """CTRL's transform: exp(t·u) for BoN (`kind="bon"`), −exp(−t·u) for WoN; the identity under the
+    `identity` control."""
+    if check_control(control) == "identity":
+        return identity
+    return exp_bon(t) if kind == "bon" else exp_won(t)
+
+
 # -------------------------------------------------------------------------- densities and metrics
 
 def density(phi: Transform | Tensor, beta: float, u: Tensor) -> Tensor:
@@ -170,10 +192,12 @@ def win_at_kl(phi: Transform, N: int, kind: str, target: float, *, M: int = 4000
 TS = (1, 2, 3, 5, 7, 10, 15, 20, 30, 40)  # the t grid searched for the best exponential transform
 
 
-def best_exp(N: int, kind: str, target: float, ts=TS, *, M: int = 4000) -> tuple[float, float]:
-    """The best exponential transform of the kind's sign at a KL budget: (t, win rate)."""
-    make = exp_bon if kind == "bon" else exp_won
-    wins = [(win_at_kl(make(t), N, kind, target, M=M), t) for t in ts]
+def best_exp(N: int, kind: str, target: float, ts=TS, *, M: int = 4000, sign: str | None = None,
+             control: str = "") -> tuple[float, float]:
+    """The best exponential transform of sign `sign` ("bon": exp(+tu), "won": −exp(−tu); default the
+    kind's own) at a KL budget, measured with the `kind` win rate: (t, win rate). A control substitutes
+    the transform (`transform`)."""
+    wins = [(win_at_kl(transform(sign or kind, t, control), N, kind, target, M=M), t) for t in ts]
     w, t = max(wins)
     return t, w
 
@@ -205,6 +229,14 @@ def calibrate_exact(ref_logp: Tensor, r: Tensor) -> Tensor:
     less = (r[:, None, :] < r[:, :, None]).double()  # (C, S_y, S_y')
     equal = (r[:, None, :] == r[:, :, None]).double()
     return ((less + 0.5 * equal) * p[:, None, :]).sum(-1)
+
+
+def calibration(ref_logp: Tensor, r: Tensor, control: str = "") -> Tensor:
+    """CTRL's calibrated reward (C, S): the exact per-prompt quantile `calibrate_exact`; under the `raw`
+    control the raw reward min-max scaled over all prompts (a global affine map: no per-prompt quantile)."""
+    if check_control(control) == "raw":
+        return (r - r.min()) / (r.max() - r.min())
+    return calibrate_exact(ref_logp, r)
 
 
 def rescaled(phi: Transform) -> Transform:

@@ -61,6 +61,22 @@ def keep(pool: Pool, tau: tuple[float, float, float]) -> Tensor:
     return pool.valid & (pool.m1 >= t1) & (pool.m2 >= t2) & (pool.m3 <= t3)
 
 
+CONTROLS = {"random_filter": "RIP's filter replaced by a uniformly random subset of the valid pairs of the same size "
+                             "(on the pool and in Self-RIP's post-filter)"}
+
+
+def rip_filter(pool: Pool, tau: tuple[float, float, float], control: str = "",
+               generator: torch.Generator | None = None) -> Tensor:
+    """The filter the notebook applies as RIP: `keep(pool, tau)`, or under the `random_filter` control a
+    random subset of the valid pairs with as many members as RIP keeps (needs `generator`)."""
+    if control and control not in CONTROLS:
+        raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
+    kept = keep(pool, tau)
+    if control == "random_filter":
+        return random_subset(pool.valid, int(kept.sum()), generator)
+    return kept
+
+
 def single_filters(pool: Pool, q: float = 0.5) -> dict[str, Tensor]:
     """The coordinate-wise filters of Table 20 and the chosen-based baseline, each at its own
     q-quantile over the valid pool; `large gap` keeps the other half of the gap condition."""

@@ -90,19 +90,23 @@ def _compare(kind: str, name: str, value: Any, op: str, threshold: float) -> dic
     return rec
 
 
+def _show(rec: dict, marks: tuple[str, str], ok_color: str, css: str) -> dict:
+    mark = marks[0] if rec["passed"] else marks[1]
+    label = mark if rec["kind"] == "claim" else f"sanity {mark}"
+    text = f"[{label}] {rec['name']}: {fmt(rec['value'])} {rec['op']} {rec['threshold']}"
+    color = ok_color if rec["passed"] else "#cf222e"
+    _emit(rec, text, f"<div class='{css}' style='color:{color}'><b>{label}</b> {html.escape(rec['name'])}: "
+                     f"measured <b>{fmt(rec['value'])}</b>, required {html.escape(rec['op'])} {rec['threshold']}</div>")
+    return rec
+
+
 def check(name: str, value: Any, op: str, threshold: float) -> dict:
     """Record the paper claim `value op threshold` and return the record (name, value, op, threshold, passed).
 
     It does not raise: `verdict()` in the notebook's last cell judges every claim at once. `value` is what
     this run measured; `threshold` is fixed in the notebook from a seed sweep (`python -m lab sweep`).
     """
-    rec = _compare("claim", name, value, op, threshold)
-    mark = "PASS" if rec["passed"] else "FAIL"
-    text = f"[{mark}] {name}: {fmt(rec['value'])} {op} {threshold}"
-    color = "#1a7f37" if rec["passed"] else "#cf222e"
-    _emit(rec, text, f"<div class='lab-claim' style='color:{color}'><b>{mark}</b> {html.escape(name)}: "
-                     f"measured <b>{fmt(rec['value'])}</b>, required {html.escape(op)} {threshold}</div>")
-    return rec
+    return _show(_compare("claim", name, value, op, threshold), ("PASS", "FAIL"), "#1a7f37", "lab-claim")
 
 
 def sanity(name: str, value: Any, op: str, threshold: float) -> dict:
@@ -111,13 +115,7 @@ def sanity(name: str, value: Any, op: str, threshold: float) -> dict:
     Shown apart from the claims and never counted as one; `verdict()` still fails the run when it does
     not hold, because then the measurements above it cannot be trusted.
     """
-    rec = _compare("sanity", name, value, op, threshold)
-    mark = "ok" if rec["passed"] else "BROKEN"
-    text = f"(sanity {mark}) {name}: {fmt(rec['value'])} {op} {threshold}"
-    color = "#57606a" if rec["passed"] else "#cf222e"
-    _emit(rec, text, f"<div class='lab-sanity' style='color:{color}'><i>sanity {mark}</i> {html.escape(name)}: "
-                     f"{fmt(rec['value'])} {html.escape(op)} {threshold}</div>")
-    return rec
+    return _show(_compare("sanity", name, value, op, threshold), ("ok", "BROKEN"), "#57606a", "lab-sanity")
 
 
 def judge(claims: dict[str, dict], control: str = "", must_break: tuple[str, ...] = ()) -> dict:

@@ -57,15 +57,28 @@ def test_expo_population_minimizer_limits_and_preservation():
 
 
 def test_the_preservation_claim_fails_when_expo_is_swapped_for_dpo():
-    """The notebook's claim C1 measured with each loss: it holds for EXPO and fails for DPO."""
-    from lab.core import ClaimFailed, check
+    """The notebook's claim C1, through the function its check reads (`expo.preservation_kl`), against the
+    closed forms: with π_ref = π*, EXPO's minimizer is π* itself (both terms are minimal there), KL = 0; DPO's is
+    π_ref·π*^{1/λ}/Z = π*^{1 + 1/λ}/Z, whose KL to π* is computed here by hand. C1 holds for EXPO, fails for DPO."""
+    log_lams = (-3, -2, -1, 0, 1, 2, 3)  # the notebook's smoke grid
+    star = [0.6, 0.3, 0.1]
 
-    def worst(method):
-        return max(E.kl(PI_STAR, E.solve(method, PI_STAR, PI_STAR, math.exp(ll))) for ll in range(-3, 4))
+    def dpo_by_hand(ll):
+        w = [p ** (1 + math.exp(-ll)) for p in star]
+        return sum(p * math.log(p / (wi / sum(w))) for p, wi in zip(star, w))
 
-    check("preservation (EXPO)", worst("expo"), "<", 1e-3)
-    with pytest.raises(ClaimFailed):
-        check("preservation (DPO in place of EXPO)", worst("dpo"), "<", 1e-3)
+    got = {m: E.preservation_kl(m, log_lams) for m in ("expo", "dpo")}
+    assert got["expo"].shape == (7,) and got["expo"].abs().max() < 1e-6
+    torch.testing.assert_close(got["dpo"], torch.tensor([dpo_by_hand(ll) for ll in log_lams], dtype=torch.float64),
+                               atol=1e-5, rtol=1e-5)
+    assert float(got["dpo"][0]) == pytest.approx(7.26, abs=0.01)  # the official table at log λ = −3
+    small = [k for k, ll in enumerate(log_lams) if ll <= 0]
+    assert got["expo"].max() < 1e-3 and got["dpo"][small].min() > 0.1  # C1's two checks, with its thresholds
+    assert not got["dpo"].max() < 1e-3  # C1's EXPO check fails on DPO's numbers
+    # another context with π_ref = π*: the function solves the one it is given
+    other = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    assert E.preservation_kl("expo", (0.0,), other).abs().max() < 1e-6
+    assert E.preservation_kl("dpo", (0.0,), other) > 0.01
 
 
 def test_official_numbers_for_dpo_and_ipo():
@@ -104,3 +117,14 @@ def test_tilt_hits_its_kl_and_exact_sft_fits():
     seqs, prompts = X.all_sequences(3, 2), torch.tensor([3, 4])
     kls = X.fit_exact(m, prompts, seqs, torch.randn(2, 9).log_softmax(-1), 3, steps=60, lr=1e-2)
     assert kls[-1] < 0.5 * kls[0]
+
+
+def test_the_dpo_control_trains_dpo_wherever_expo_was():
+    """`Config.for_scale(scale, "dpo")` substitutes EXPO's loss and nothing else; C1 then fails on its numbers."""
+    cfg, ctl = E.Config.for_scale("smoke"), E.Config.for_scale("smoke", "dpo")
+    assert cfg.loss("expo") == "expo" and ctl.loss("expo") == "dpo" and ctl.loss("ipo") == "ipo"
+    assert ctl.epochs == cfg.epochs and ctl.lm_lams == cfg.lm_lams and set(E.CONTROLS) == {"dpo"}
+    assert E.Config.for_scale("full", "dpo").loss("expo") == "dpo"
+    with pytest.raises(ValueError, match="unknown control"):
+        E.Config.for_scale("smoke", "no_such_control")
+    assert E.preservation_kl(ctl.loss("expo"), (-1.0,)).max() > 0.1  # the preserved context moves

@@ -63,3 +63,23 @@ def test_calibration_is_the_per_prompt_quantile_with_half_ties():
     torch.testing.assert_close(I.calibrate(base.exp(), scores.exp()), got)
     sigma = torch.tensor([[3.0], [0.01]])
     torch.testing.assert_close(I.calibrate(base * sigma, scores * sigma), got)
+
+
+def test_controls_substitute_the_transform_and_the_calibration():
+    u = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    torch.testing.assert_close(I.transform("bon", 5.0)(u), torch.exp(5.0 * u))
+    torch.testing.assert_close(I.transform("won", 5.0)(u), -torch.exp(-5.0 * u))
+    for kind in ("bon", "won"):
+        torch.testing.assert_close(I.transform(kind, 5.0, "identity")(u), u)
+    # under `identity` the best "exponential" is the identity itself: the BoN gain (I3) vanishes
+    assert I.best_exp(4, "bon", 0.5, control="identity")[1] == pytest.approx(I.win_at_kl(I.identity, 4, "bon", 0.5))
+    assert I.best_exp(4, "bon", 0.5)[1] > I.best_exp(4, "bon", 0.5, control="identity")[1] + 0.05
+    # calibration: per-prompt quantiles (scale-free) vs the `raw` control's global min-max map (scale kept)
+    ref = torch.full((2, 4), 0.25, dtype=torch.float64).log()
+    r = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    cal = I.calibration(ref, r)
+    torch.testing.assert_close(cal[0], cal[1])
+    raw = I.calibration(ref, r, "raw")
+    assert float(raw.min()) == 0.0 and float(raw.max()) == 1.0 and raw[1].max() < raw[0].min() + 0.1
+    with pytest.raises(ValueError, match="unknown control"):
+        I.transform("bon", 1.0, "nope")

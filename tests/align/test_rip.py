@@ -59,3 +59,19 @@ def test_random_subset_has_the_size_and_stays_valid():
     sub = R.random_subset(valid, 3, torch.Generator().manual_seed(0))
     assert sub.sum() == 3 and not (sub & ~valid).any()
     assert math.isnan(R.bad_fraction(torch.zeros(6, dtype=torch.bool), valid))
+
+
+def test_the_random_filter_control_keeps_rips_size_at_random():
+    r, length = toy_pool()
+    p = R.best_vs_worst(r, length)
+    tau = R.thresholds(p)
+    assert R.rip_filter(p, tau).tolist() == R.keep(p, tau).tolist()
+    sizes, hit_bad = set(), False
+    for s in range(20):
+        m = R.rip_filter(p, tau, "random_filter", torch.Generator().manual_seed(s))
+        sizes.add(int(m.sum()))
+        assert not (m & ~p.valid).any()
+        hit_bad |= bool(m[3:5].any())
+    assert sizes == {3} and hit_bad  # same size as RIP's set, and it lets bad prompts in
+    with pytest.raises(ValueError, match="unknown control"):
+        R.rip_filter(p, tau, "nope")
