@@ -40,6 +40,35 @@ from lab.models.sample import sample, sample_responses  # noqa: F401 (re-exporte
 
 Grade = Callable[[Tensor, Tensor], Tensor]  # (question rows (m,), responses (m, k, L)) -> correct (m, k) bool
 
+CONTROLS = {  # the substitutions a skeptic would make; the notebook declares which claims each must break
+    "dpo": "cDPO replaced by DPO: every token weight s_t set to 0 in training (Eq. 6 is then DPO)",
+    "swapped_ce": "contrastive estimation with P_p and P_n swapped: softmax((1+β)·logits_n − β·logits_p)",
+    "random_token": "the rollout critical token replaced by a uniformly random response position",
+}
+
+
+def _control(control: str) -> str:
+    if control and control not in CONTROLS:
+        raise ValueError(f"control={control!r} is unknown; use one of {', '.join(CONTROLS)}.")
+    return control
+
+
+def ce_models(pos, neg, control: str = "") -> tuple:
+    """(P_p, P_n) as contrastive estimation uses them: swapped under the `swapped_ce` control."""
+    return (neg, pos) if _control(control) == "swapped_ce" else (pos, neg)
+
+
+def training_scores(s: Tensor, control: str = "") -> Tensor:
+    """The CE scores cDPO trains with: s itself, or zeros under the `dpo` control (cDPO is then DPO)."""
+    return torch.zeros_like(s) if _control(control) == "dpo" else s
+
+
+def critical_or_random(c: Tensor, control: str = "", *, generator: torch.Generator | None = None) -> Tensor:
+    """`critical_token(c)`, or under the `random_token` control a uniformly random position per row."""
+    if _control(control) == "random_token":
+        return torch.randint(c.shape[-1], c.shape[:-1], generator=generator)
+    return critical_token(c)
+
 
 # --------------------------------------------------------------------------- (a) rollout ground truth
 

@@ -31,6 +31,32 @@ MATRICES = ("gate", "up", "down")
 SILU_MIN = 0.2784645  # −min SiLU(z), the shift c of Theorem 3.1's exponential model
 ExpertFn = Callable[[int, int, Tensor], Tensor]  # (layer, expert, x (n, H)) -> expert output (n, H)
 
+CONTROLS = {  # the substitutions a skeptic would make; the notebook declares which claims each must break
+    "random_mask": "every magnitude mask S_t (Eq. 5) replaced by a random mask keeping as many entries per token",
+    "gate_for_up": "the mask taken from |a_gate| where FloE takes |a_up| (and from |a_up| where it takes |a_gate|)",
+    "random_predictor": "the inter- and intra-expert predictors replaced by random experts and random neurons",
+    "untrained": "the same model untrained (its random initialisation): sensitivities a trained MoE learns vanish",
+}
+
+
+def check_control(control: str) -> str:
+    if control and control not in CONTROLS:
+        raise ValueError(f"control={control!r} is unknown; use one of {', '.join(CONTROLS)}.")
+    return control
+
+
+def mask_source(on: str, control: str = "") -> str:
+    """The activation whose magnitude sets the mask: `on`, with gate and up exchanged under `gate_for_up`."""
+    if check_control(control) == "gate_for_up" and on in ("gate", "up"):
+        return "up" if on == "gate" else "gate"
+    return on
+
+
+def random_like(mask: Tensor, generator: torch.Generator) -> Tensor:
+    """A random mask with as many kept entries per row as `mask` (the `random_mask` control)."""
+    r = torch.rand(mask.shape, generator=generator, device=generator.device).to(mask.device)
+    return r.argsort(-1).argsort(-1) < mask.sum(-1, keepdim=True)
+
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
     """The sparse-MoE block of every decoder layer (has `.gate` router and fused `.experts`)."""
@@ -55,19 +81,19 @@ def sparsify(a: Tensor, t: Tensor | float) -> Tensor:
     return a * (a.abs() >= t)
 
 
-def expert_out(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor, on: str | None = None, t: float = 0.0) -> Tensor:
-    """Expert output (n, H), dense (`on=None`) or with S_t applied to a_gate (CATS), a_up (FloE) or a_down."""
+def expert_out(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor, on: str | None = None, t: float = 0.0,
+               generator: torch.Generator | None = None) -> Tensor:
+    """Expert output (n, H), dense (`on=None`) or with S_t applied to a_gate (CATS), a_up (FloE) or a_down;
+    with a `generator`, S_t's mask is replaced by a random one of the same size per token (`random_mask`)."""
     a = activations(x, Wg, Wu)
     if on is None:
-        h = a["down"]
-    elif on == "gate":
-        h = sparsify(a["gate"], t) * a["up"]
-    elif on == "up":
-        h = a["gate"] * sparsify(a["up"], t)
-    elif on == "down":
-        h = sparsify(a["down"], t)
-    else:
+        return a["down"] @ Wd.T
+    if on not in MATRICES:
         raise ValueError(f"on={on!r} is not an activation; use one of {MATRICES}.")
+    keep = a[on].abs() >= t
+    if generator is not None:
+        keep = random_like(keep, generator)
+    h = {"gate": a["gate"] * keep * a["up"], "up": a["gate"] * (a["up"] * keep), "down": a["down"] * keep}[on]
     return h @ Wd.T
 
 
@@ -170,10 +196,14 @@ def use_experts(model: nn.Module, fn: ExpertFn, layers: list[int] | None = None)
             blocks[l].experts = experts
 
 
-def sparse_fn(model: nn.Module, t: Tensor, on: str) -> ExpertFn:
-    """Expert function that applies S_t to `on` with the per-(layer, expert) thresholds t (L, E)."""
+def sparse_fn(model: nn.Module, t: Tensor, on: str, control: str = "", seed: int = 0) -> ExpertFn:
+    """Expert function that applies S_t to `on` with the per-(layer, expert) thresholds t (L, E); under the
+    `random_mask` control each token keeps as many entries, chosen at random (seeded)."""
     blocks = moe_blocks(model)
-    return lambda l, e, x: expert_out(x, *weights(blocks[l], e), on=on, t=float(t[l, e]))
+    g = None
+    if check_control(control) == "random_mask":
+        g = torch.Generator(blocks[0].experts.down_proj.device).manual_seed(seed)
+    return lambda l, e, x: expert_out(x, *weights(blocks[l], e), on=on, t=float(t[l, e]), generator=g)
 
 
 def quant_fn(model: nn.Module, matrix: str | tuple[str, ...], nbits: int, group_size: int = 64) -> ExpertFn:
@@ -196,17 +226,24 @@ def quant_fn(model: nn.Module, matrix: str | tuple[str, ...], nbits: int, group_
 class FloEExpert:
     """One compressed expert (Eq. 11): INT2 W_up (resident), FP rows of W_gate and W_downᵀ, threshold t."""
 
-    def __init__(self, Wg: Tensor, Wu: Tensor, Wd: Tensor, t: float, nbits: int = 2, group_size: int = 64):
+    def __init__(self, Wg: Tensor, Wu: Tensor, Wd: Tensor, t: float, nbits: int = 2, group_size: int = 64,
+                 on: str = "up", random_seed: int | None = None):
         self.Wg = Wg.detach()  # (F, H), row j = gate neuron j
         self.Wd_t = Wd.detach().T.contiguous()  # (F, H), row j = down column j (co-located with gate row j)
         self.Wq_up: QTensor = quantize(Wu.detach(), nbits, group_size)
         self.Wu = self.Wq_up.dequantize().to(Wg.dtype)  # (F, H)
         self.t = t
+        # controls: the mask from |a_gate| (gate_for_up); a random mask of the same size (random_mask), drawn
+        # from `random_seed` afresh at each call, so the same x gets the same mask in every form (dense, gathered)
+        self.on, self.random_seed = on, random_seed
 
     def mask(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """a_up = x W_upᵀ (n, F) with the INT2 W_up, and the kept-neuron mask |a_up| ≥ t (n, F)."""
         a_up = x @ self.Wu.T
-        return a_up, a_up.abs() >= self.t
+        keep = (a_up if self.on == "up" else F_.silu(x @ self.Wg.T)).abs() >= self.t
+        if self.random_seed is None:
+            return a_up, keep
+        return a_up, random_like(keep, torch.Generator().manual_seed(self.random_seed))
 
     def __call__(self, x: Tensor) -> Tensor:
         """Masked-dense form for a batch x (n, H) -> (n, H)."""
@@ -223,10 +260,13 @@ class FloEExpert:
         return torch.stack(out) if out else x.new_zeros(0, x.shape[-1])
 
 
-def floe_experts(model: nn.Module, t: Tensor, nbits: int = 2,
-                 group_size: int = 64) -> dict[tuple[int, int], FloEExpert]:
-    """A FloEExpert for every (layer, expert) with thresholds t (L, E) on |a_up|."""
-    return {(l, e): FloEExpert(*weights(mlp, e), float(t[l, e]), nbits, group_size)
+def floe_experts(model: nn.Module, t: Tensor, nbits: int = 2, group_size: int = 64, control: str = "",
+                 seed: int = 0) -> dict[tuple[int, int], FloEExpert]:
+    """A FloEExpert for every (layer, expert) with thresholds t (L, E) on |a_up| (on |a_gate| under the
+    `gate_for_up` control: t must then be a_gate's; a random mask of the same size under `random_mask`)."""
+    rnd = check_control(control) == "random_mask"
+    return {(l, e): FloEExpert(*weights(mlp, e), float(t[l, e]), nbits, group_size, mask_source("up", control),
+                               seed * 10_007 + l * 101 + e if rnd else None)
             for l, mlp in enumerate(moe_blocks(model)) for e in range(t.shape[1])}
 
 
@@ -270,21 +310,26 @@ def _cos(a: Tensor, b: Tensor) -> float:
 
 @torch.no_grad()
 def predictor_stats(model: nn.Module, xs: list[Tensor], keep: float, int2: dict | None = None,
-                    router: Callable[[int, Tensor], Tensor] | None = None) -> list[dict[str, float]]:
+                    router: Callable[[int, Tensor], Tensor] | None = None, control: str = "",
+                    seed: int = 0) -> list[dict[str, float]]:
     """For each layer i+1 predicted from layer i's MoE input x_i:
 
     - `cos`: mean cosine(x_i, x_{i+1});
     - `inter`: unordered top-k overlap of router_{i+1}(x_i) (or `router(i+1, x_i)`) with the true top-k;
     - `intra`: recall of top-⌈keep·F⌉ |x_i W_up^{i+1,e}| against top-⌈keep·F⌉ |x_{i+1} W_up^{i+1,e}| on the
-      true experts (W_up from `int2[(i+1, e)].Wu` when given, as resident in the engine)."""
+      true experts (W_up from `int2[(i+1, e)].Wu` when given, as resident in the engine).
+
+    Under the `random_predictor` control both predictions are random scores (seeded)."""
     blocks = moe_blocks(model)
+    g = torch.Generator(xs[0].device).manual_seed(seed) if check_control(control) == "random_predictor" else None
+    rand = lambda *shape: torch.rand(*shape, generator=g, device=xs[0].device)
     E, F = blocks[0].experts.down_proj.shape[0], blocks[0].experts.down_proj.shape[-1]
     n_keep = max(1, round(keep * F))
     out = []
     for i in range(len(xs) - 1):
         x0, x1, nxt = xs[i], xs[i + 1], blocks[i + 1]
         _, _, true = route(nxt, x1)  # (n, k)
-        logits = router(i + 1, x0) if router else route(nxt, x0)[0]
+        logits = rand(len(x0), E) if g else router(i + 1, x0) if router else route(nxt, x0)[0]
         pred = logits.topk(true.shape[1], -1).indices
         inter = (pred.unsqueeze(-1) == true.unsqueeze(-2)).any(-1).float().mean().item()
         rec = []
@@ -293,7 +338,7 @@ def predictor_stats(model: nn.Module, xs: list[Tensor], keep: float, int2: dict 
             if not sel.any():
                 continue
             Wu = int2[(i + 1, e)].Wu if int2 else weights(nxt, e)[1]
-            p = (x0[sel] @ Wu.T).abs().topk(n_keep, -1).indices
+            p = (rand(int(sel.sum()), F) if g else (x0[sel] @ Wu.T).abs()).topk(n_keep, -1).indices
             q = (x1[sel] @ Wu.T).abs().topk(n_keep, -1).indices
             hit = torch.zeros(int(sel.sum()), F, device=x0.device).scatter_(1, p, 1).gather(1, q)
             rec.append(hit.mean(-1))

@@ -15,6 +15,9 @@ Policies (FloE Sec. 3.4 and the baselines it compares with, per decoded token an
            layer i+1's prefetch is issued before layer i's misrouted experts are reloaded, so on one FIFO copy
            engine a reload waits behind the prefetch (visible in the timeline).
 
+`control="random_predictor"` (FloE's notebook control) replaces both predictors by random ones: the
+prefetched experts are a random top-k and every kept-neuron set a random `keep`·F rows (seeded).
+
 Layers in `resident` keep their experts dense on the device (FloE's GPU-resident layers). Each token is
 decoded one at a time with the model's KV cache (prefill is decoded token by token too).
 
@@ -37,7 +40,7 @@ import torch.nn.functional as F_
 from torch import Tensor, nn
 
 from lab.compress.quant import QTensor, quantize
-from lab.moe.floe import moe_blocks, route, weights
+from lab.moe.floe import check_control, moe_blocks, route, weights
 
 POLICIES = ("fp16", "int2", "lru-fp16", "lru-int2", "floe")
 MIXTRAL = {"H": 4096, "F": 14336, "L": 32, "E": 8, "top_k": 2}
@@ -181,9 +184,11 @@ class OffloadEngine:
     """Decode `model` token by token with its offloaded MoE layers served by `policy` over `link`."""
 
     def __init__(self, model: nn.Module, policy: str, link: SimLink, *, keep: float = 0.2, cache_k: int = 2,
-                 resident: tuple[int, ...] = (0,), group_size: int = 64, device: str = "cpu"):
+                 resident: tuple[int, ...] = (0,), group_size: int = 64, device: str = "cpu", control: str = "",
+                 seed: int = 0):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is unknown; use one of {', '.join(POLICIES)}.")
+        self.random = torch.Generator().manual_seed(seed) if check_control(control) == "random_predictor" else None
         self.model, self.policy, self.link, self.device = model, policy, link, device
         self.blocks = moe_blocks(model)
         self.L, (self.E, self.H, self.F) = len(self.blocks), self.blocks[0].experts.down_proj.shape
@@ -262,12 +267,18 @@ class OffloadEngine:
     def _prefetch(self, l: int, x: Tensor) -> None:
         """FloE: predict layer l's experts and neurons from the current x (1, H); copy their rows ahead."""
         logits, _, _ = route(self.blocks[l], x)
+        if self.random is not None:  # control: random experts
+            logits = torch.rand(logits.shape, generator=self.random).to(logits.device)
         self.prefetched[l] = {}
         for e in logits.topk(self.blocks[l].gate.top_k, -1).indices[0].tolist():
             self.prefetched[l][e] = self._rows(l, e, x)
 
     def _rows(self, l: int, e: int, x: Tensor):
-        idx = (x @ self.up[l, e].T).abs()[0].topk(self.n_keep).indices.sort().values  # (n_keep,) intra-expert
+        if self.random is None:
+            score = (x @ self.up[l, e].T).abs()[0]
+        else:  # control: random neurons
+            score = torch.rand(self.F, generator=self.random).to(x.device)
+        idx = score.topk(self.n_keep).indices.sort().values  # (n_keep,) intra-expert
         rows = self.link.gather(self.host[l, e]["rows"], idx)  # (n_keep, 2, H), one contiguous chunk
         dev, ready = self.link.copy(rows, l, f"rows {e}")
         self.stats.bytes[-1] += rows.numel() * rows.element_size()

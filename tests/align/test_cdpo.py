@@ -140,16 +140,84 @@ def test_sample_shapes_greedy_and_ban():
     assert banned[0, 0] != 5 and banned[0, 1] == 5
 
 
+def test_each_arms_gradient_at_the_reference_is_its_closed_form():
+    """At π_θ = π_ref (h = 0, σ' = 1/4) the batch-mean loss of each arm has a closed-form gradient in the
+    per-token log-probs: DPO ∓γ/2B on every chosen / rejected token; RPO adds −1/(B·L) on the chosen tokens
+    (its per-token NLL); cDPO scales the rejected token t by (1 − s_t); the position-wise cDPO divides both by L."""
+    B, L, gamma = 3, 4, 0.5
+    ref_w, ref_l = rand_logps(B, L, seed=3)[:2]
+    s = torch.rand(B, L, generator=torch.Generator().manual_seed(4))
+    one = torch.ones(B, L)
+    want = {"dpo": (-gamma / 2 / B * one, gamma / 2 / B * one),
+            "rpo": ((-gamma / 2 / B - 1 / (B * L)) * one, gamma / 2 / B * one),
+            "cdpo": (-gamma / 2 / B * one, gamma / 2 / B * (1 - s)),
+            "cdpo_positionwise": (-gamma / 2 / (B * L) * one, gamma / 2 / (B * L) * (1 - s))}
+    for arm, (g_w, g_l) in want.items():
+        pi_w, pi_l = ref_w.clone().requires_grad_(), ref_l.clone().requires_grad_()
+        value = C.arm_loss(arm, pi_w, ref_w, pi_l, ref_l, s, gamma=gamma)
+        nll = -ref_w.sum(1).mean().item() / L if arm == "rpo" else 0.0
+        assert value.item() == pytest.approx(math.log(2) + nll, abs=1e-6), arm
+        value.backward()
+        torch.testing.assert_close(pi_w.grad, g_w, msg=arm)
+        torch.testing.assert_close(pi_l.grad, g_l, msg=arm)
+
+
 def test_training_arms_and_sft_run_and_log():
     torch.manual_seed(0)
     base = tiny_llama(vocab_size=V, d_model=16, n_layers=1, n_heads=2, max_len=16).eval()
     x, yw, yl = torch.randint(V, (8, 3)), torch.randint(V, (8, 4)), torch.randint(V, (8, 4))
     pairs = {"prompt": x, "chosen": yw, "rejected": yl, "s": torch.rand(8, 4)}
     w0 = [p.clone() for p in base.parameters()]
-    for arm in ("dpo", "rpo", "cdpo", "cdpo_positionwise"):
-        policy, log = C.train_arm(base, pairs, arm, steps=6, lr=1e-2, gamma=0.5, batch_size=4, every=3, quiet=True)
+    train = lambda arm, p=pairs, steps=6: C.train_arm(base, p, arm, steps=steps, lr=1e-2, gamma=0.5, batch_size=4,
+                                                       every=3, quiet=True)
+    runs = {arm: train(arm) for arm in ("dpo", "rpo", "cdpo", "cdpo_positionwise")}
+    for _policy, log in runs.values():
         assert log["step"] == [0, 3, 6] and len(log["loss"]) == 6
         assert log["rejected"][-1] < log["rejected"][0]  # every arm pushes the rejected responses down
     assert all(torch.equal(a, b) for a, b in zip(w0, base.parameters()))  # the reference is untouched
+    # cDPO with every s_t = 0 is DPO: the same batches give the same log and the same policy ...
+    dpo_like, log0 = train("cdpo", {**pairs, "s": torch.zeros(8, 4)})
+    assert all(log0[k] == pytest.approx(v, abs=1e-5) for k, v in runs["dpo"][1].items())
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(dpo_like.parameters(), runs["dpo"][0].parameters()))
+    # ... while the real scores, RPO's NLL term and the position-wise mean make four different policies
+    for a, b in itertools.combinations(runs, 2):
+        gap = max((p - q).abs().max().item() for p, q in zip(runs[a][0].parameters(), runs[b][0].parameters()))
+        assert gap > 1e-3, (a, b)
+    # the first logged loss is at π_θ = π_ref: log 2 for the DPO family, plus the chosen per-token NLL for RPO
+    # (one shared prompt and chosen response, so every batch has the same NLL, computed here from the logits)
+    same = {**pairs, "prompt": x[:1].expand(8, -1), "chosen": yw[:1].expand(8, -1)}
+    with torch.no_grad():
+        logp = base(input_ids=torch.cat([x[:1], yw[:1]], 1)).logits[0, 2:-1].log_softmax(-1)  # predicts yw
+    nll = -sum(logp[t, yw[0, t]] for t in range(4)).item() / 4
+    for arm in ("dpo", "cdpo", "cdpo_positionwise", "rpo"):
+        first = train(arm, same, steps=1)[1]["loss"][0]
+        assert first == pytest.approx(math.log(2) + (nll if arm == "rpo" else 0.0), abs=1e-5), arm
     losses = C.fine_tune(base, x, yw, steps=30, lr=1e-2, batch_size=8, quiet=True)
     assert losses[-1] < losses[0]
+
+
+# --------------------------------------------------------------- the notebook's controls (C.CONTROLS)
+
+def test_controls_substitute_exactly_what_they_name():
+    """`swapped_ce` exchanges P_p and P_n in CE; `dpo` zeroes cDPO's token weights (cDPO is then DPO, so its
+    loss equals DPO's); `random_token` replaces the rollout critical token by a random position; an unknown
+    control is rejected."""
+    pos, neg = always(3), always(5)
+    assert C.ce_models(pos, neg) == (pos, neg) and C.ce_models(pos, neg, "dpo") == (pos, neg)
+    assert C.ce_models(pos, neg, "swapped_ce") == (neg, pos)
+    x, y = torch.tensor([[1, 2]]), torch.tensor([[3, 5, 3]])
+    s, s_sw = C.ce_scores(pos, neg, x, y), C.ce_scores(*C.ce_models(pos, neg, "swapped_ce"), x, y)
+    assert s.argmin().item() == 1 and s_sw.argmin().item() != 1  # the swap hides the token P_n prefers
+    pi_w, ref_w, pi_l, ref_l = rand_logps(seed=5)
+    w = torch.rand(4, 5, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(C.training_scores(w), w) and torch.equal(C.training_scores(w, "swapped_ce"), w)
+    dpo = C.arm_loss("dpo", pi_w, ref_w, pi_l, ref_l, w, gamma=0.3)
+    as_dpo = C.arm_loss("cdpo", pi_w, ref_w, pi_l, ref_l, C.training_scores(w, "dpo"), gamma=0.3)
+    assert as_dpo.item() == pytest.approx(dpo.item(), abs=1e-6)
+    assert C.arm_loss("cdpo", pi_w, ref_w, pi_l, ref_l, w, gamma=0.3).item() != pytest.approx(dpo.item(), abs=1e-3)
+    c = torch.tensor([[0.5, 0.0, 0.0, 0.0, 0.0]] * 200)
+    assert (C.critical_or_random(c) == 1).all()
+    rnd = C.critical_or_random(c, "random_token", generator=torch.Generator().manual_seed(0))
+    assert rnd.shape == (200,) and set(rnd.tolist()) == set(range(5))
+    with pytest.raises(ValueError, match="unknown"):
+        C.ce_models(pos, neg, "swap_ce")

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from lab.models.zoo import tiny_mixtral
 from lab.moe import floe as fl
+from lab.moe.offload import OffloadEngine, SimLink, TimeModel
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +180,75 @@ def test_theorem_errors_closed_form_and_order():
         assert L["down"] < L["up"] < L["gate"]
     low = fl.theorem_errors(0.2, lam=2.0)  # λc ≈ 0.56, outside the theorem's λc ≥ 2: gate beats up
     assert low["gate"] < low["up"]
+
+
+# ---------------------------------------------------------------- the notebook's controls (floe.CONTROLS)
+
+def test_unknown_control_is_rejected(model):
+    with pytest.raises(ValueError, match="unknown"):
+        fl.sparse_fn(model, torch.zeros(3, 4), "up", control="randm_mask")
+    with pytest.raises(ValueError, match="unknown"):
+        OffloadEngine(model, "floe", SimLink(TimeModel()), control="nope")
+
+
+def test_random_like_keeps_the_count_per_row_but_not_the_positions():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(50, 40, generator=g)
+    mask = a.abs() >= a.abs().quantile(0.8)
+    r = fl.random_like(mask, g)
+    assert torch.equal(r.sum(-1), mask.sum(-1))
+    assert (r & mask).sum() < 0.5 * mask.sum()  # a random 20 % overlaps the magnitude mask by about 20 %
+
+
+def test_mask_source_swaps_only_gate_and_up():
+    assert [fl.mask_source(on) for on in fl.MATRICES] == ["gate", "up", "down"]
+    assert [fl.mask_source(on, "gate_for_up") for on in fl.MATRICES] == ["up", "gate", "down"]
+    assert [fl.mask_source(on, "random_mask") for on in fl.MATRICES] == ["gate", "up", "down"]
+
+
+def test_random_mask_erases_the_sparsity_ordering(model, xs):
+    """Magnitude masks order the errors (down least); random masks of the same size lose that order:
+    sparsifying a_down at random costs about as much as sparsifying a_up at random."""
+    t = {on: fl.thresholds(model, xs, 0.8, on) for on in fl.MATRICES}
+    err = {on: fl.layer_errors(model, xs, fl.sparse_fn(model, t[on], on))[1:].mean().item() for on in fl.MATRICES}
+    rnd = {on: fl.layer_errors(model, xs, fl.sparse_fn(model, t[on], on, "random_mask"))[1:].mean().item()
+           for on in fl.MATRICES}
+    assert err["down"] < 0.7 * err["up"]
+    assert 0.7 < rnd["down"] / rnd["up"] < 1.4
+    assert all(rnd[on] > 2 * err[on] for on in fl.MATRICES)
+
+
+def test_floe_expert_controls(model, xs):
+    x = xs[1]
+    t_up, t_gate = fl.thresholds(model, xs, 0.75, "up"), fl.thresholds(model, xs, 0.75, "gate")
+    ex = fl.floe_experts(model, t_up)[1, 0]
+    swapped = fl.floe_experts(model, t_gate, control="gate_for_up")[1, 0]
+    rnd = fl.floe_experts(model, t_up, control="random_mask")[1, 0]
+    a_up, m = ex.mask(x)
+    _, m_gate = swapped.mask(x)
+    _, m_rnd = rnd.mask(x)
+    Wg = fl.weights(fl.moe_blocks(model)[1], 0)[0]
+    assert torch.equal(m_gate, torch.nn.functional.silu(x @ Wg.T).abs() >= t_gate[1, 0])
+    assert torch.equal(m_rnd.sum(-1), m.sum(-1)) and not torch.equal(m_rnd, m)
+    assert torch.equal(rnd.mask(x)[1], m_rnd)  # the same x gets the same random mask, so both forms agree
+    assert torch.allclose(rnd.gathered(x[:8]), rnd(x[:8]), atol=1e-5)
+    err = lambda f: (f(x) - ex(x)).pow(2).sum() / ex(x).pow(2).sum()  # error vs the FloE expert
+    assert err(rnd) > 1.3 * err(swapped)  # a random mask of FloE's size departs more than CATS' gate mask
+
+
+def test_random_predictor_is_near_chance(model, xs):
+    real = fl.predictor_stats(model, xs, 0.25)
+    rnd = fl.predictor_stats(model, xs, 0.25, control="random_predictor")
+    for r, q in zip(real, rnd):
+        assert q["cos"] == r["cos"]
+        assert abs(q["intra"] - 0.25) < 0.08  # a random quarter of the neurons recalls about a quarter
+        assert q["inter"] < r["inter"]
+
+
+def test_random_predictor_in_the_engine_misses_and_moves_more(model):
+    seq = torch.randint(40, (1, 12), generator=torch.Generator().manual_seed(2))
+    tm = TimeModel.mixtral_equivalent(32, 48)
+    _, real = OffloadEngine(model, "floe", SimLink(tm), keep=0.25).run(seq)
+    _, rnd = OffloadEngine(model, "floe", SimLink(tm), keep=0.25, control="random_predictor").run(seq)
+    assert rnd.misses > real.misses
+    assert sum(rnd.bytes) > sum(real.bytes) and sum(rnd.seconds) > sum(real.seconds)
