@@ -50,9 +50,11 @@ def test_tour_is_deterministic_and_cached(notebook_runs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     second = json.loads((tmp_path / "00_tour.json").read_text())
     assert second["claims"] == first["record"]["claims"]
+    attempts = second["metrics"].pop("training_attempts")
+    first["record"]["metrics"].pop("training_attempts")  # the first run may have trained (cached: false)
     assert second["metrics"] == first["record"]["metrics"]
-    print(f"tour: cold {first['record']['seconds']:.1f} s, warm {second['seconds']:.1f} s")
-    assert second["seconds"] < first["record"]["seconds"]
+    print(f"tour: first {first['record']['seconds']:.1f} s, second {second['seconds']:.1f} s")
+    assert attempts and all(cached for _, _, cached in attempts), "the second run loads every attempt from the cache"
 
 
 @pytest.mark.parametrize("param", [("scale", "huge"), ("device", "cuda"), ("model", "/no/such/folder"),

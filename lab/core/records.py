@@ -154,8 +154,9 @@ def verdict() -> dict:
         rec = {"kind": "control", "name": "control", "value": c}
         _emit(rec, "\n".join(lines), f"<pre class='lab-verdict'>{html.escape(chr(10).join(lines))}</pre>")
         raise ClaimFailed("\n".join(lines))
-    if not claims:
-        raise ClaimFailed("this notebook recorded no claim; a notebook states and checks its paper's claims.")
+    if not claims and not result["sanity_failed"]:  # e.g. a checkpoint run: measurements recorded, no toy threshold
+        print("no claim was checked in this run: its measurements are recorded, not asserted.")
+        return result
     if result["failed"] or result["sanity_failed"]:
         raise ClaimFailed("\n".join(lines))
     print(lines[0] + ".")

@@ -35,10 +35,10 @@ def test_verdict_passes_when_all_hold_and_sanity_is_apart():
         verdict()
 
 
-def test_verdict_without_claims_fails():
-    start()
-    with pytest.raises(ClaimFailed, match="no claim"):
-        verdict()
+def test_verdict_without_claims_reports_measurements_only(capsys):
+    start()  # a checkpoint run records measurements and checks no toy threshold
+    assert verdict() == {"failed": [], "sanity_failed": []}
+    assert "no claim was checked" in capsys.readouterr().out
 
 
 def test_a_control_run_always_raises_and_says_what_it_broke():
