@@ -10,6 +10,10 @@ losses), each already concatenated with its prompt and right-padded:
 
 `train_pairs` is the per-token variant for fixed-length (prompt, chosen, rejected) tensors, used by
 token-weighted losses (cDPO) and by RIP's DPO arms: the loss sees per-token log-probs.
+
+`optimize` is the one gradient loop under both, and under every other training loop of `lab.align`
+(SFT of the toys, the exact-enumeration solvers, the tabular policies): a paper says what a step's
+loss is, the loop is the same everywhere.
 """
 
 from __future__ import annotations
@@ -21,6 +25,25 @@ import torch
 from torch import Tensor
 
 from lab.core import progress
+
+
+def optimize(params, step_loss: Callable[[int], Tensor], *, steps: int, lr: float, grad_clip: float | None = None,
+             optimizer: type[torch.optim.Optimizer] = torch.optim.Adam, desc: str = "train",
+             quiet: bool | None = None) -> list[float]:
+    """`steps` optimizer steps on `params`: each backpropagates `step_loss(step)` (a scalar), clips the
+    gradient norm to `grad_clip` when given, steps and clears the gradients. Returns the per-step loss."""
+    params = list(params)
+    opt = optimizer(params, lr=lr)
+    losses = []
+    for step in progress(range(steps), quiet=quiet, desc=desc):
+        value = step_loss(step)
+        value.backward()
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(value.item())
+    return losses
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -66,17 +89,10 @@ def train_preferences(policy, reference, batches: Callable[[torch.Generator], di
                       **options) -> list[float]:
     """Adam on `policy` for `steps` batches drawn as `batches(generator)`; returns the per-step loss."""
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(policy.parameters(), lr=lr)
     reference.eval()
     policy.train()
-    losses = []
-    for _ in progress(range(steps), quiet=quiet, desc=loss):
-        value = preference_loss(policy, reference, batches(gen), loss, **options)
-        value.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(value.item())
+    losses = optimize(policy.parameters(), lambda _: preference_loss(policy, reference, batches(gen), loss, **options),
+                      steps=steps, lr=lr, grad_clip=grad_clip, desc=loss, quiet=quiet)
     policy.eval()
     return losses
 
@@ -98,7 +114,6 @@ def train_pairs(base, pairs: dict[str, Tensor], loss: Callable[[dict[str, Tensor
     chosen / rejected response log-likelihoods every `every` steps (Fig. 4-style dynamics)."""
     policy, ref = copy.deepcopy(base).train(), base.eval()
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(policy.parameters(), lr=lr)
     x, yw, yl = pairs["prompt"], pairs["chosen"], pairs["rejected"]
     mw, ml = pairs.get("chosen_mask"), pairs.get("rejected_mask")
     with torch.no_grad():
@@ -106,22 +121,22 @@ def train_pairs(base, pairs: dict[str, Tensor], loss: Callable[[dict[str, Tensor
     fixed = ("prompt", "chosen", "rejected", "chosen_mask", "rejected_mask")
     extras = {k: v for k, v in pairs.items() if k not in fixed}
     log = {"step": [], "chosen": [], "rejected": [], "loss": []}
-    for step in progress(range(steps + 1), quiet=quiet, desc=desc):
-        if step % every == 0 or step == steps:
-            with torch.no_grad():
-                log["step"].append(step)
-                log["chosen"].append(response_logps(policy, x, yw, mw).sum(-1).mean().item())
-                log["rejected"].append(response_logps(policy, x, yl, ml).sum(-1).mean().item())
-        if step == steps:
-            break
+
+    @torch.no_grad()
+    def record(step: int) -> None:
+        log["step"].append(step)
+        log["chosen"].append(response_logps(policy, x, yw, mw).sum(-1).mean().item())
+        log["rejected"].append(response_logps(policy, x, yl, ml).sum(-1).mean().item())
+
+    def step_loss(step: int) -> Tensor:
+        if step % every == 0:
+            record(step)
         i = torch.randint(len(x), (batch_size,), generator=g)
         batch = {k: v[i] for k, v in extras.items()}
         batch.update(pi_w=response_logps(policy, x[i], yw[i], None if mw is None else mw[i]), ref_w=ref_w[i],
                      pi_l=response_logps(policy, x[i], yl[i], None if ml is None else ml[i]), ref_l=ref_l[i])
-        value = loss(batch)
-        value.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        log["loss"].append(value.item())
+        return loss(batch)
+
+    log["loss"] = optimize(policy.parameters(), step_loss, steps=steps, lr=lr, grad_clip=1.0, desc=desc, quiet=quiet)
+    record(steps)
     return policy.eval(), log
