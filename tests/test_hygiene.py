@@ -60,3 +60,77 @@ def test_ruff_is_clean():
     exe = Path(sys.executable).with_name("ruff")
     proc = subprocess.run([str(exe), "check", "lab", "kernels", "tests"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+# ------------------------------------------------------------------ notebooks are thin drivers
+
+MAX_CELL_LINES = 15
+
+
+def _code(source: str) -> str:
+    """A cell's Python, IPython magics and shell escapes blanked."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_a_thin_driver(path: Path):
+    """No function or class defined in a notebook (they live in `lab`, with tests), short code cells,
+    and sizes from the paper module's `Config.for_scale` rather than `pick(...)` literals in cells."""
+    import ast
+
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        tree = ast.parse(_code(cell.source))
+        kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        defined = [n.name for n in ast.walk(tree) if isinstance(n, kinds)]
+        assert not defined, f"code cell {i} defines {defined}: move it into lab/ with a test"
+        lines = [line for line in cell.source.splitlines() if line.strip()]
+        assert len(lines) <= MAX_CELL_LINES, f"code cell {i} has {len(lines)} lines (at most {MAX_CELL_LINES})"
+        picks = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and n.func.attr == "pick"]
+        assert not picks, f"code cell {i} picks sizes inline: take them from the paper module's Config.for_scale"
+
+
+# --------------------------------------------------------------- generic code knows no paper
+
+def _paper_modules() -> set[str]:
+    from lab.papers import PAPERS
+
+    slugs = {p.slug for p in PAPERS}
+    return {".".join(f.relative_to(ROOT).with_suffix("").parts) for f in (ROOT / "lab").glob("*/*.py")
+            if f.stem in slugs} | {"lab.tour"}
+
+
+GENERIC = ["lab/cli.py", "lab/papers.py", "lab/core", "lab/models", "lab/data", "lab/report", "lab/widgets/figures.py",
+           "lab/widgets/next_token.py", "lab/moe/blocks.py", "lab/moe/offload.py", "lab/moe/links.py",
+           "lab/align/train.py", "lab/align/losses.py", "lab/align/exact.py"]
+
+
+def test_generic_modules_import_no_paper_module():
+    """The runner, the engine, the shared figures and the shared trainers import no paper module (a paper
+    module may import them, never the reverse), so a new paper is added without touching them."""
+    import ast
+
+    papers = _paper_modules()
+    assert {"lab.align.expo", "lab.moe.floe", "lab.interp.gather_aggregate"} <= papers
+    files = [f for g in GENERIC for f in ((ROOT / g).rglob("*.py") if (ROOT / g).is_dir() else [ROOT / g])
+             if f.exists()]
+    offenders = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{f.relative_to(ROOT)} imports {n}" for n in names if n in papers]
+    assert not offenders, offenders
+
+
+def test_code_cites_the_paper_and_the_lab_only():
+    """A user has the paper, the official code and this lab: no references to the lab's issue tracker or
+    internal notes in code, docstrings or notebooks."""
+    import re
+
+    pattern = re.compile(r"\bissues?\s*#?\d+|\bthe notes\b|\bthe issue\b", re.IGNORECASE)
+    files = [*(ROOT / "lab").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"), *NOTEBOOKS]
+    hits = [f"{f.relative_to(ROOT)}: {m.group(0)}" for f in files for m in pattern.finditer(f.read_text())]
+    assert not hits, hits
