@@ -124,6 +124,21 @@ def train(cfg: Config, seed: int, device: str = "cpu", control: str = "") -> Tra
                     cfg.max_restarts)
 
 
+def describe(model, cfg: Config, run: Trained | None = None, control: str = "", name: str = "") -> str:
+    """One line on the model the tour measures: its parameter count and how it was reached — trained (attempts,
+    validation recall per attempt, from the cache or trained), left untrained (`control`), or loaded (`name`,
+    when `run` is None)."""
+    n = sum(p.numel() for p in model.parameters())
+    if run is None:
+        return f"loaded {name}: {n:,} parameters"
+    if control:
+        return f"{n:,} parameters; control {control!r}: left at its random initialisation"
+    accs = ", ".join(f"{v:.3f}" for _, v, _ in run.attempts)
+    return (f"{n:,} parameters; {'converged' if run.converged else 'NOT converged'} in {len(run.attempts)} attempt(s) "
+            f"of {cfg.steps} steps (validation recall per attempt: {accs}; "
+            f"{'from the cache' if all(c for *_, c in run.attempts) else f'trained in {run.seconds:.1f} s'})")
+
+
 def recall(model, tokenizer, examples: list[dict], choices: list[str]) -> tuple[float, torch.Tensor]:
     """Accuracy of argmax over `choices`, and the (N, C) choice log-probs it was taken from."""
     logp = choice_logprobs(model, tokenizer, [e["prompt"] for e in examples], choices)  # (N, C)

@@ -101,3 +101,17 @@ def test_the_notebook_declares_the_documented_controls():
 
     nb = Path(__file__).resolve().parents[1] / "notebooks" / "00_tour.ipynb"
     assert set(declared_controls(nb)) == set(tour.CONTROLS) == {"untrained"}
+
+
+def test_describe_says_how_the_model_was_reached():
+    m = torch.nn.Linear(10, 100)  # 1,100 parameters
+    cfg = tour.Config()
+    run = tour.Trained(m, [0.5] * 3, [(0, 0.41, False), (1, 0.987, True)], True, 12.34)
+    assert tour.describe(m, cfg, run) == ("1,100 parameters; converged in 2 attempt(s) of 400 steps (validation "
+                                          "recall per attempt: 0.410, 0.987; trained in 12.3 s)")
+    cached = tour.Trained(m, [], [(0, 0.5, True)], False)
+    assert tour.describe(m, cfg, cached).endswith("NOT converged in 1 attempt(s) of 400 steps (validation recall "
+                                                  "per attempt: 0.500; from the cache)")
+    assert tour.describe(m, cfg, tour.Trained(m, []), "untrained") == ("1,100 parameters; control 'untrained': left "
+                                                                       "at its random initialisation")
+    assert tour.describe(m, cfg, None, name="gpt2") == "loaded gpt2: 1,100 parameters"

@@ -17,10 +17,16 @@ backward passes is returned either way.
 
 Baselines: Tent (entropy of the model's own greedy continuation) and an EATA-style filter and weight
 (entropy < E0, weight exp(−(E − E0))).
+
+The toy (`Config`, `build`, `run_arms`): a 2-layer Llama pre-trained on a source Markov domain
+(`lab.data.domains`) meets an unlabeled stream from a shifted target domain; each arm (TLM, its ablations,
+Tent, EATA, full-parameter TLM, online TLM) adapts a fresh copy of the base model on the stream and is scored
+on held-out target and source questions.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +35,8 @@ import torch
 from torch import Tensor
 
 from lab.core import progress
+from lab.data.domains import MarkovDomains, answer_scores
+from lab.models import TrainConfig, TrainResult, fit, tiny_llama
 
 
 def add_lora(model, *, r: int = 8, alpha: int = 16, targets: tuple[str, ...] = ("q_proj", "v_proj")):
@@ -194,3 +202,168 @@ def adapt_online(model, inputs: list[Tensor], objective: Objective, *, chunk: in
                 total.losses.append(None)
     model.eval()
     return predictions, total
+
+
+# ------------------------------------------------------------------ the toy of the notebook
+
+CONTROLS = {"no_sel": "TLM and online TLM adapt on every input with weight 1 (TLM without the SEL score)",
+            "no_adapt": "TLM and online TLM run at learning rate 0, i.e. they are the base model"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every size and knob of the toy: domains, base model and its source-domain pre-training, test streams,
+    LoRA (r = 8, α = 16, on every linear layer: q/v alone cannot move this 2-layer model's word transitions),
+    SEL (log P0 from `select_frac`, λ), the baselines, online TLM's chunk, and the control."""
+
+    domains: MarkovDomains = field(default_factory=MarkovDomains)
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    max_len: int = 32
+    pretrain_steps: int = 500
+    pretrain_batch: int = 64
+    pretrain_lr: float = 3e-3
+    n_stream: int = 300  # unlabeled target inputs: what test-time learning sees
+    n_held: int = 200  # held-out target questions with answers
+    n_source: int = 200  # source questions (forgetting)
+    data_seed: int = 3000  # the test streams' generator is seeded data_seed + seed
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    select_frac: float = 0.9  # log P0: the base-CE quantile above which this share of the stream lies
+    lamb: float = 0.1
+    lr: float = 1e-3
+    half_quantile: float = 0.5  # "TLM, half selected": log P0 at this quantile (Fig. 3's P0 sweep)
+    eata_frac: float = 0.4  # EATA's E0 = eata_frac · ln V
+    full_lr_div: int = 10  # "TLM, full parameters": every weight, at lr / full_lr_div
+    probe_every: int = 50  # Obs. 1: TLM's input and output perplexity every this many inputs
+    chunk: int = 8  # online TLM
+    control: str = ""  # "no_sel": TLM weights every input 1; "no_adapt": TLM at lr 0 (see CONTROLS)
+
+    @classmethod
+    def for_scale(cls, scale: str, *, select_frac: float = 0.9, lr: float = 1e-3, control: str = "") -> Config:
+        """Smoke: 300 test inputs, 500 pre-training steps; full: 1,000 and 1,500. The notebook's knobs and a
+        control pass through."""
+        if control and control not in CONTROLS:
+            raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
+        sizes = {} if scale == "smoke" else {"n_stream": 1000, "pretrain_steps": 1500}
+        return cls(**sizes, select_frac=select_frac, lr=lr, control=control)
+
+    @property
+    def sel(self) -> bool:
+        return self.control != "no_sel"
+
+    @property
+    def tlm_lr(self) -> float:
+        return 0.0 if self.control == "no_adapt" else self.lr
+
+    def base_model(self):
+        """A fresh, untrained base model (the trainer seeds before calling it)."""
+        return tiny_llama(vocab_size=len(self.domains.tokenizer), d_model=self.d_model, n_layers=self.n_layers,
+                          n_heads=self.n_heads, max_len=self.max_len)
+
+
+@torch.no_grad()
+def evaluate(model, data: dict[str, Tensor], *, generator: torch.Generator, device) -> dict[str, float]:
+    """Greedy answers vs the references (`acc`, `rougeL`), the reference answers' output PPL (`answer_scores`),
+    and the questions' own input PPL exp(mean_i CE_i) (`in_ppl`, Obs. 1)."""
+    scores = answer_scores(model, data, generator=generator, device=device)
+    return {**scores, "in_ppl": sample_ce(model, data["input"].to(device)).mean().exp().item()}
+
+
+@dataclass
+class Toy:
+    """The built experiment: the pre-trained base model, the unlabeled stream (inputs (1, T) each), held-out
+    target and source questions, the base model's CE on the stream and log P0 (`threshold`)."""
+
+    cfg: Config
+    run: TrainResult
+    inputs: list[Tensor]
+    held: dict[str, Tensor]
+    source: dict[str, Tensor]
+    ce0: Tensor
+    threshold: float
+    generator: torch.Generator
+    device: str
+
+    @property
+    def base(self):
+        return self.run.model
+
+    def lora_copy(self):
+        """A copy of the base model with fresh LoRA adapters (the only trainable weights)."""
+        c = self.cfg
+        return add_lora(copy.deepcopy(self.base), r=c.lora_r, alpha=c.lora_alpha, targets=c.lora_targets)
+
+    def score(self, model, log: AdaptLog | None = None) -> dict:
+        """{"target": held-out target scores, "source": source scores (forgetting), "backward", "selected"}."""
+        return {"target": evaluate(model, self.held, generator=self.generator, device=self.device),
+                "source": evaluate(model, self.source, generator=self.generator, device=self.device),
+                "backward": log.backward_passes if log else 0, "selected": sum(log.selected) if log else 0}
+
+
+def build(cfg: Config, seed: int, device: str = "cpu") -> Toy:
+    """Pre-train (or load from the cache) the base model on the source domain, draw the test streams, and set
+    log P0 so that `cfg.select_frac` of the stream is selected by the base model's CE."""
+    dom = cfg.domains
+    run = fit(cfg.base_model, dom, TrainConfig(steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch,
+                                               lr=cfg.pretrain_lr, seed=seed), device=device)
+    g = torch.Generator().manual_seed(cfg.data_seed + seed)
+    stream = dom.sample(cfg.n_stream, "target", g)  # unlabeled: only stream["input"] is used
+    held, source = dom.sample(cfg.n_held, "target", g), dom.sample(cfg.n_source, "source", g)
+    inputs = [stream["input"][i:i + 1].to(device) for i in range(len(stream["input"]))]
+    with torch.no_grad():
+        ce0 = sample_ce(run.model, torch.cat(inputs))
+    threshold = torch.quantile(ce0, 1 - cfg.select_frac).item()  # log P0
+    return Toy(cfg, run, inputs, held, source, ce0, threshold, g, device)
+
+
+def base_ce(model) -> Callable[[Tensor], Tensor]:
+    """Offline TLM's selecting CE: the LoRA model's with its adapters disabled (the base model), no gradient."""
+
+    def ce(x):
+        with model.disable_adapter(), torch.no_grad():
+            return sample_ce(model, x)
+
+    return ce
+
+
+def arms(toy: Toy) -> dict[str, tuple[Callable[[object], Objective], bool, float]]:
+    """The offline arms: name -> (objective of the adapted copy m, LoRA (else every weight), lr). A control
+    substitutes in TLM only: every input weighted 1 (`no_sel`) or lr 0 (`no_adapt`)."""
+    cfg, th, base, k = toy.cfg, toy.threshold, toy.base, toy.cfg.domains.answer
+    e0 = lambda: cfg.eata_frac * torch.log(torch.tensor(float(len(cfg.domains.tokenizer)))).item()
+    half = lambda: torch.quantile(toy.ce0, cfg.half_quantile).item()
+    return {"TLM": (lambda m: tlm_objective(threshold=th, lamb=cfg.lamb, base_ce=base_ce(m), sel=cfg.sel), True,
+                    cfg.tlm_lr),
+            "TLM w/o SEL": (lambda m: tlm_objective(sel=False), True, cfg.lr),
+            "TLM, half selected": (lambda m: tlm_objective(threshold=half(), lamb=cfg.lamb, base_ce=base_ce(m)),
+                                   True, cfg.lr),
+            "Tent": (lambda m: tent_objective(k), True, cfg.lr),
+            "EATA": (lambda m: eata_objective(e0(), k), True, cfg.lr),
+            "TLM, full parameters": (lambda m: tlm_objective(threshold=th, lamb=cfg.lamb,
+                                                             base_ce=lambda x: sample_ce(base, x).detach()),
+                                     False, cfg.lr / cfg.full_lr_div)}
+
+
+def run_arms(toy: Toy) -> tuple[dict[str, dict], list[dict]]:
+    """Adapt a fresh copy of the base model per arm on the unlabeled stream — offline (`adapt`, one epoch) for
+    `arms`, then online TLM (`adapt_online`, chunks of `cfg.chunk`, the current model's CE) — and score each
+    (`Toy.score`). Returns {arm: scores} and TLM's Obs. 1 checkpoints ({"step", "out_ppl", "in_ppl"})."""
+    cfg, results, curve = toy.cfg, {}, []
+    ppl = lambda m: {k: v for k, v in evaluate(m, toy.held, generator=toy.generator, device=toy.device).items()
+                     if k in ("out_ppl", "in_ppl")}  # Obs. 1's probe on the held-out target questions
+    for name, (objective, lora, lr) in arms(toy).items():
+        m = toy.lora_copy() if lora else copy.deepcopy(toy.base)
+        probe = (lambda m=m: ppl(m)) if name == "TLM" else None
+        log = adapt(m, toy.inputs, objective(m), lr=lr, probe=probe, every=cfg.probe_every if probe else 0)
+        if name == "TLM":
+            curve = log.checkpoints
+        results[name] = toy.score(m, log)
+    m = toy.lora_copy()
+    # online TLM is scored after the stream, like the offline arms: its per-chunk predictions are not used
+    _, log = adapt_online(m, toy.inputs, tlm_objective(threshold=toy.threshold, lamb=cfg.lamb, sel=cfg.sel),
+                          chunk=cfg.chunk, lr=cfg.tlm_lr, predict=lambda part: [None] * len(part))
+    results["online TLM"] = toy.score(m, log)
+    return results, curve

@@ -19,6 +19,7 @@ from functools import cached_property
 
 import torch
 
+from lab.models.sample import sample
 from lab.models.tokenizer import word_tokenizer
 
 IGNORE = -100
@@ -81,6 +82,27 @@ class MarkovDomains:
         s = self.sample(n, "source", generator)
         ids = torch.cat([s["input"], s["answer"]], 1)
         return {"input_ids": ids, "labels": ids.clone()}
+
+    def leaks(self, inputs: list[torch.Tensor]) -> int:
+        """Answer material in a stream of questions (each (1, T)): per input, 1 if it holds an <eos> and 1 if
+        its length is not a question's (passage + 3); 0 for a stream of questions only."""
+        eos = self.tokenizer.eos_token_id
+        return sum(int((x == eos).any()) + int(x.shape[1] != self.passage + 3) for x in inputs)
+
+
+@torch.no_grad()
+def answer_scores(model, data: dict[str, torch.Tensor], *, generator: torch.Generator, device) -> dict[str, float]:
+    """A causal LM's answers to `data["input"]` (questions) scored against `data["answer"]` (answers + <eos>):
+    greedy answers of the answers' length (without <eos>) -> token accuracy `acc` and mean ROUGE-L `rougeL`;
+    `out_ppl` = exp of the mean NLL of the reference answer tokens (<eos> included) given the question."""
+    model.eval()
+    x, y = data["input"].to(device), data["answer"].to(device)
+    pred = sample(model, x, y.shape[1] - 1, generator=generator, temperature=0)
+    ref = y[:, :-1].cpu()
+    logp = model(input_ids=torch.cat([x, y], 1)).logits[:, x.shape[1] - 1:-1].float().log_softmax(-1)
+    return {"acc": (pred == ref).float().mean().item(),
+            "rougeL": sum(rouge_l(p.tolist(), r.tolist()) for p, r in zip(pred, ref)) / len(ref),
+            "out_ppl": (-logp.gather(-1, y[..., None]).mean()).exp().item()}
 
 
 def rouge_l(pred: list, ref: list) -> float:

@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -127,3 +128,87 @@ def test_the_notebook_controls_substitutions():
                                 predict=lambda part: [None] * len(part))
         counts[sel] = log.backward_passes
     assert counts[False] == len(inputs) and counts[True] < len(inputs)
+
+
+# ------------------------------------------------------------------ the notebook's toy
+
+
+def small(**kw):
+    """A toy small enough for a unit test (20 stream inputs: log P0 at the 0.1 quantile selects 18)."""
+    return T.Config(d_model=16, n_layers=1, n_heads=2, pretrain_steps=20, pretrain_batch=8, n_stream=20, n_held=6,
+                    n_source=6, probe_every=4, chunk=4, **kw)
+
+
+def test_config_sizes_knobs_and_controls():
+    from pathlib import Path
+
+    from lab.cli import declared_controls
+
+    smoke, full = T.Config.for_scale("smoke"), T.Config.for_scale("full")
+    assert (smoke.n_stream, smoke.pretrain_steps) == (300, 500) and (full.n_stream, full.pretrain_steps) == (1000, 1500)
+    cfg = T.Config.for_scale("smoke", select_frac=0.5, lr=2e-3)
+    assert (cfg.select_frac, cfg.lr, cfg.tlm_lr, cfg.sel) == (0.5, 2e-3, 2e-3, True)
+    assert T.Config.for_scale("smoke", control="no_sel").sel is False
+    assert T.Config.for_scale("smoke", lr=2e-3, control="no_adapt").tlm_lr == 0.0
+    with pytest.raises(ValueError, match="no_sel"):
+        T.Config.for_scale("smoke", control="no_lora")
+    assert smoke.base_model().config.vocab_size == len(smoke.domains.tokenizer)
+    nb = Path(__file__).resolve().parents[2] / "notebooks" / "03_tlm.ipynb"
+    assert set(declared_controls(nb)) == set(T.CONTROLS)
+
+
+def test_evaluate_adds_the_questions_own_perplexity():
+    from lab.data.domains import answer_scores
+
+    cfg = small()
+    torch.manual_seed(0)
+    m = cfg.base_model().eval()
+    data = cfg.domains.sample(3, "target", torch.Generator().manual_seed(0))
+    got = T.evaluate(m, data, generator=torch.Generator(), device="cpu")
+    assert list(got) == ["acc", "rougeL", "out_ppl", "in_ppl"]
+    assert {k: got[k] for k in ("acc", "rougeL", "out_ppl")} == answer_scores(m, data, generator=torch.Generator(),
+                                                                              device="cpu")
+    with torch.no_grad():  # naive loop: per question the mean NLL of its own tokens, then exp of the mean
+        ces = []
+        for x in data["input"].tolist():
+            logp = [m(input_ids=torch.tensor([x[:t]])).logits[0, -1].log_softmax(-1)[x[t]].item()
+                    for t in range(1, len(x))]
+            ces.append(-sum(logp) / len(logp))
+    assert got["in_ppl"] == pytest.approx(math.exp(sum(ces) / len(ces)), rel=1e-5)
+
+
+def test_build_sets_log_p0_from_select_frac_on_a_stream_of_questions_only():
+    cfg = small()
+    toy = T.build(cfg, seed=0)
+    assert len(toy.inputs) == cfg.n_stream and all(x.shape == (1, cfg.domains.passage + 3) for x in toy.inputs)
+    assert cfg.domains.leaks(toy.inputs) == 0 and len(toy.held["answer"]) == cfg.n_held
+    with torch.no_grad():
+        assert toy.ce0.tolist() == pytest.approx([T.sample_ce(toy.base, x).item() for x in toy.inputs], rel=1e-5)
+    assert int((toy.ce0 > toy.threshold).sum()) == 18  # select_frac = 0.9 of 20
+    base = toy.score(toy.base)
+    assert base["backward"] == base["selected"] == 0 and set(base) == {"target", "source", "backward", "selected"}
+
+
+def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_in_tlm_only():
+    from dataclasses import replace
+
+    cfg = small()
+    toy = T.build(cfg, seed=0)
+    torch.manual_seed(7)
+    results, curve = T.run_arms(toy)
+    assert list(results) == ["TLM", "TLM w/o SEL", "TLM, half selected", "Tent", "EATA", "TLM, full parameters",
+                             "online TLM"]
+    assert results["TLM"]["selected"] == results["TLM"]["backward"] == 18  # selected by the base model's CE
+    assert results["TLM, half selected"]["selected"] == 10 and results["TLM w/o SEL"]["backward"] == 20
+    assert [c["step"] for c in curve] == [0, 4, 8, 12, 16, 20] and set(curve[0]) == {"step", "out_ppl", "in_ppl"}
+    torch.manual_seed(7)  # TLM by hand: a LoRA copy, offline TLM with the base model's CE selecting
+    m = T.add_lora(copy.deepcopy(toy.base), targets=cfg.lora_targets)
+    log = T.adapt(m, toy.inputs, T.tlm_objective(threshold=toy.threshold, base_ce=T.base_ce(m)), lr=cfg.lr)
+    assert toy.score(m, log) == results["TLM"]
+    with torch.no_grad():
+        assert torch.equal(T.base_ce(m)(toy.inputs[0]), T.sample_ce(toy.base, toy.inputs[0]))
+    torch.manual_seed(7)
+    frozen, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="no_adapt")))
+    assert frozen["TLM"]["target"] == toy.score(toy.base)["target"] and frozen["Tent"] == results["Tent"]
+    every, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="no_sel")))
+    assert every["TLM"]["backward"] == every["online TLM"]["backward"] == cfg.n_stream

@@ -41,3 +41,40 @@ def test_rouge_l_by_hand():
     assert rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
     assert rouge_l([1, 3, 5], [1, 2, 3]) == pytest.approx(2 / 3)  # LCS [1, 3]: p = r = 2/3
     assert rouge_l([9], [1, 2]) == 0.0 and rouge_l([], [1]) == 0.0
+
+
+def test_answer_scores_match_a_naive_loop():
+    from lab.data.domains import answer_scores
+    from lab.models import tiny_llama
+
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=len(D.tokenizer), d_model=16, n_layers=1, n_heads=2, max_len=32).eval()
+    data = D.sample(4, "target", torch.Generator().manual_seed(3))
+    got = answer_scores(m, data, generator=torch.Generator(), device="cpu")
+    hits, rouge, nll, count = 0, 0.0, 0.0, 0
+    with torch.no_grad():
+        for x, y in zip(data["input"], data["answer"]):
+            seq = x.tolist()
+            for _ in range(D.answer):  # greedy, one token at a time
+                seq.append(int(m(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+            pred, ref = seq[len(x):], y[:-1].tolist()
+            hits += sum(int(p == r) for p, r in zip(pred, ref))
+            rouge += rouge_l(pred, ref)
+            full = torch.cat([x, y]).tolist()
+            for t in range(len(x), len(full)):  # every reference token, <eos> included, given its prefix
+                nll -= m(input_ids=torch.tensor([full[:t]])).logits[0, -1].log_softmax(-1)[full[t]].item()
+                count += 1
+    assert got["acc"] == pytest.approx(hits / (4 * D.answer))
+    assert got["rougeL"] == pytest.approx(rouge / 4)
+    assert got["out_ppl"] == pytest.approx(torch.tensor(nll / count).exp().item(), rel=1e-5)
+
+
+def test_leaks_count_answer_material_in_a_stream_of_questions():
+    s = D.sample(3, "target", torch.Generator().manual_seed(4))
+    clean = [s["input"][i:i + 1] for i in range(3)]
+    assert D.leaks(clean) == 0
+    eos = torch.tensor([[D.tokenizer.eos_token_id]])
+    with_answer = torch.cat([s["input"][:1], s["answer"][:1]], 1)  # an <eos> and the wrong length: 2
+    eos_in_place = torch.cat([s["input"][:1, :-1], eos], 1)  # an <eos>, the right length: 1
+    assert D.leaks([*clean, with_answer, eos_in_place]) == 2 + 1
+    assert D.leaks([s["input"][:1, :-1]]) == 1  # a cut question: the wrong length only
