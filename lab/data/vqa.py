@@ -125,6 +125,14 @@ class VisualQA:
         labels[ids == self.tokenizer.pad_token_id] = -100
         return {"patches": e["patches"], "input_ids": ids, "labels": labels}
 
+    def words(self, ids: torch.Tensor) -> list[list[str]]:
+        """Generated ids (n, steps) -> each row's words up to its first <eos> (all of them without one)."""
+        out = []
+        for row in ids.tolist():
+            ws = self.tokenizer.convert_ids_to_tokens(row)
+            out.append(ws[: ws.index("<eos>")] if "<eos>" in ws else ws)
+        return out
+
     @staticmethod
     def patches(img: torch.Tensor) -> torch.Tensor:
         """(n, 3, 8, 8) -> (n, 4, 48): the four 4×4 quadrants, flattened (the visual prefix)."""

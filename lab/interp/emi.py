@@ -16,19 +16,56 @@ the model's outputs are from the references in ID and OOD. The repo reports the 
 form √JSD_v + √JSD_t + JSD_PY^¼ + JSD_QY^¼ (for correlation only; it is not numerically a bound)
 and an entropy-scaled one Ĥ(√JSD_v + √JSD_t) + 4(JSD_PY^¼ + JSD_QY^¼) (Ĥ's definition UNCONFIRMED).
 
-Everything here takes embeddings (rows, L2-normalised by the caller as in the repo), so it runs on
-any model's features, toy or real.
+The estimators take embeddings (rows, L2-normalised by the caller as in the repo), so they run on
+any model's features, toy or real. The notebook's toy (`Config`, `train_mllm`, `scenarios`) is a tiny
+MLLM on the synthetic visual-QA world (`lab.data.vqa`) over the paper's visual × textual shift grid,
+with a token-F1 `judge` standing in for the GPT-4-judged relative preference (RP).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
 from lab.core import progress
-from lab.core.stats import pearson, spearman  # noqa: F401 (re-exported: EMID vs bound correlations)
+from lab.core.stats import pearson, spearman
+from lab.data.vqa import FrozenEncoders, VisualQA
+from lab.models import TrainConfig, TrainResult, fit
+from lab.models.mllm import tiny_mllm
+
+# the notebook's controls: the substitutions a skeptic would make (`control=` in the notebook)
+CONTROLS = {"shuffled": "permute the model's response embeddings across the queries of each scenario (the "
+                        "query-response pairing broken, the responses' content kept)"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The toy at a scale: the tiny MLLM's training on clean data, the objects asked about in every
+    scenario (drawn from seed `object_seed` + seed), the greedy answer length and CLUB's training."""
+
+    mllm_steps: int = 300
+    mllm_batch: int = 64
+    mllm_lr: float = 2e-3
+    object_seed: int = 100
+    n_objects: int = 200
+    answer_tokens: int = 4  # up to three answer words and <eos>
+    club_hidden: int = 64
+    club_steps: int = 1500
+    club_lr: float = 2e-3
+    club_batch: int = 256
+    shuffled: bool = False  # the control
+
+    @classmethod
+    def for_scale(cls, scale: str, control: str = "") -> Config:
+        """"full": 1,000 objects per scenario and 4,000 CLUB steps."""
+        if control and control not in CONTROLS:
+            raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
+        sizes = {} if scale == "smoke" else dict(n_objects=1000, club_steps=4000)
+        return cls(**sizes, shuffled=control == "shuffled")
 
 
 class CLUB(nn.Module):
@@ -117,3 +154,78 @@ def bound_terms(jsd_v: float, jsd_t: float, jsd_py: float, jsd_qy: float) -> dic
     """The scale-adjusted bound's four summands (for the decomposition bar)."""
     return {"visual √JSD": math.sqrt(max(jsd_v, 0)), "text √JSD": math.sqrt(max(jsd_t, 0)),
             "ID outputs JSD^¼": max(jsd_py, 0) ** 0.25, "OOD outputs JSD^¼": max(jsd_qy, 0) ** 0.25}
+
+
+# ----------------------------------------------------------------------------- the notebook's toy
+
+def judge(response: list[str], reference: list[str]) -> float:
+    """The preference proxy standing in for the GPT-4 judge: token F1 between a response and its
+    reference (multiset overlap; the reference scores 1, an empty or disjoint response 0)."""
+    common = sum(min(response.count(x), reference.count(x)) for x in set(response))
+    if not common:
+        return 0.0
+    p, r = common / len(response), common / len(reference)
+    return 2 * p * r / (p + r)
+
+
+def train_mllm(world: VisualQA, cfg: Config, seed: int, *, device: str = "cpu") -> TrainResult:
+    """The tiny MLLM (`lab.models.mllm`) trained on clean images with canonical questions (or cached)."""
+    return fit(partial(tiny_mllm, vocab_size=len(world.tokenizer)), world,
+               TrainConfig(steps=cfg.mllm_steps, batch_size=cfg.mllm_batch, lr=cfg.mllm_lr, seed=seed), device=device)
+
+
+def scenarios(world: VisualQA, mllm: nn.Module, enc: FrozenEncoders, objects: dict, visual: list, textual: list, *,
+              answer_tokens: int, shuffle: torch.Generator | None = None, device: str = "cpu") -> dict:
+    """Every (visual, textual) shift of the same `objects`: the model's greedy answers, their exact-match
+    accuracy and RP (mean `judge`), and the embeddings EMI needs — the query z = (z_v + z_t)/2 as in the
+    repo, the model's responses `ym` and the references `yr`. With `shuffle` (the control) the response
+    embeddings are permuted across the queries of each scenario. The first scenario is ID."""
+    scen = {}
+    for vis in visual:
+        for txt in textual:
+            e = world.encode(objects, visual=vis, textual=txt, generator=torch.Generator().manual_seed(7))
+            resp = world.words(mllm.generate(e["patches"].to(device), e["prompt"].to(device), answer_tokens).cpu())
+            zv, zt, ym = enc.image(e["patches"]), enc.text(e["question"]), enc.text(resp)
+            ym = ym[torch.randperm(len(ym), generator=shuffle)] if shuffle is not None else ym
+            scen[vis, txt] = {"z": (zv + zt) / 2, "zv": zv, "zt": zt, "ym": ym, "yr": enc.text(e["reference"]),
+                              "acc": sum(r == ref for r, ref in zip(resp, e["reference"])) / len(resp),
+                              "rp": sum(judge(r, ref) for r, ref in zip(resp, e["reference"])) / len(resp),
+                              "examples": list(zip(e["question"], e["reference"], resp))}
+    return scen
+
+
+def club_pairs(scen: dict) -> tuple[Tensor, Tensor]:
+    """CLUB's training pairs pooled over all scenarios: (query, reference) and (query, model response),
+    so one fixed estimator scores every scenario and its bias largely cancels in EMI."""
+    return (torch.cat([torch.cat([s["z"], s["z"]]) for s in scen.values()]),
+            torch.cat([torch.cat([s["yr"], s["ym"]]) for s in scen.values()]))
+
+
+def measure(scen: dict, club: CLUB) -> dict:
+    """Adds each scenario's EMI and its four JSDs against ID (the first scenario): visual and textual
+    inputs, ID outputs vs references, this scenario's outputs vs references. Returns the explorer's
+    grid (`lab.widgets.emi_bounds`)."""
+    ID = next(iter(scen.values()))
+    grid = {}
+    for key, s in scen.items():
+        s["emi"] = emi(club, s["z"], s["ym"], s["yr"])
+        s["jsd"] = (jsd_cov(ID["zv"], s["zv"]), jsd_cov(ID["zt"], s["zt"]), jsd_cov(ID["ym"], ID["yr"]),
+                    jsd_cov(s["ym"], s["yr"]))
+        grid[key] = {"emi": s["emi"], "rp": s["rp"], "jsd": s["jsd"], "examples": s["examples"]}
+    return grid
+
+
+def correlations(scen: dict) -> dict:
+    """The claims' statistics over measured scenarios: EMID and the scale-adjusted bound of every shift
+    (every scenario after ID), Spearman(EMI, RP) over all scenarios, Pearson and Spearman(bound, EMID)."""
+    first, *shifts = scen
+    gap = torch.tensor([emid(scen[first]["emi"], scen[k]["emi"]) for k in shifts])
+    bound = torch.tensor([upper_bound(*scen[k]["jsd"]) for k in shifts])
+    emis, rps = torch.tensor([s["emi"] for s in scen.values()]), torch.tensor([s["rp"] for s in scen.values()])
+    return {"emid": gap, "bound": bound, "emi": emis, "rp": rps, "spearman_emi_rp": spearman(emis, rps),
+            "pearson_emid_bound": pearson(bound, gap), "spearman_emid_bound": spearman(bound, gap)}
+
+
+def shuffled_emi(club: CLUB, s: dict, generator: torch.Generator) -> float:
+    """EMI of a scenario with its responses permuted across the queries (the pairing broken)."""
+    return emi(club, s["z"], s["ym"][torch.randperm(len(s["ym"]), generator=generator)], s["yr"])

@@ -9,25 +9,32 @@ position puts almost all of its weight on the summary of the matching segment an
 letter. They are few, so each is a bottleneck: removing one sends letter accuracy to chance while
 knowledge that needs no retrieval is intact.
 
-The operator is the official one (`utils.remove_heads` / `keep_heads`): zero the input columns of
-the mixer's output projection that belong to a head, W_out (d_model, H·d_head) viewed as
-(d_model, H, d_head). That equals zeroing the head's output before o_proj/out_proj (zero ablation,
-not mean ablation). Here it is a context manager that restores the exact weights on exit, so no
-ablated copy leaks into the next configuration (the official notebook reloads the model instead).
-SSM heads: a Mamba-2 value head (H heads of d_head), a Mamba-1 inner channel (d_head = 1).
+This module is the paper's protocol: the pruning curve that finds the (gather, aggregate) layer
+pair, the single-head sweep, the four keep-only configurations, the aggregate row's sharpness, the
+retrieval-vs-context sweep and the controls. Heads are removed with the official operator
+(`lab.models.hooks.ablate_heads`, which restores the exact weights on exit, so no ablated copy leaks
+into the next configuration; the official notebook reloads the model instead).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
-Heads = dict[int, Iterable[int]]  # layer -> head indices
+from lab.data.letters import DELIM, LetterRetrieval
+from lab.data.mcq import CategoryMCQ
+from lab.interp.hidden_attention import attention
+from lab.models import TrainConfig, fit, hooks, load_model, tiny_llama, tiny_mamba2
+from lab.models.score import choice_accuracy
+
+Heads = hooks.Heads  # layer -> head indices
+Evaluate = Callable[[], float]  # accuracy of the model in its current (ablated) state
 
 # the notebook's controls: the substitutions a skeptic would make (`control=` in the notebook)
 CONTROLS = {
@@ -45,109 +52,108 @@ def paper_heads(model_name: str) -> tuple[tuple[int, int], tuple[int, int]] | No
     """The paper's G and A for a hub id, or for a local folder with the same name; None if unknown."""
     base = model_name.rstrip("/").split("/")[-1].lower()
     return next((h for k, h in PAPER_HEADS.items() if k.split("/")[-1].lower() == base), None)
-Evaluate = Callable[[], float]  # accuracy of the model in its current (ablated) state
 
 
-# ---------------------------------------------------------------------------- where the heads live
+@dataclass(frozen=True)
+class Config:
+    """Every size of the notebook at a scale: the mini-MMLU letter task (`LetterRetrieval`, letters drawn
+    per prompt from `n_labels`, min..n options per training batch, `eval_options` at evaluation as in
+    MMLU), a Llama-style Transformer and a Mamba-2 (SSD heads of `head_dim`), the held-out prompts."""
 
-def layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks: `model.model.layers` (Llama, Mixtral, Jamba) or `.backbone.layers` (Mamba)."""
-    base = getattr(model, "model", None) or getattr(model, "backbone", None) or model
-    return base.layers
+    n_questions: int = 4
+    n_labels: int = 8
+    n_options: int = 6  # also the largest k of the options sweep
+    min_options: int = 2
+    eval_options: int = 4
+    d_model: int = 64
+    n_layers: int = 2  # the toys' (gather, aggregate) layer pair is (0, 1)
+    n_heads: int = 4
+    head_dim: int = 16
+    transformer_steps: int = 2000
+    mamba2_steps: int = 400  # Mamba-2 learns the task ~5× faster in steps
+    batch_size: int = 64
+    lr: float = 3e-3
+    n_letter: int = 300  # held-out letter prompts; `n_rows` of them for the sharpness
+    n_cloze: int = 100
+    n_rows: int = 64
+    n_per_k: int = 150  # letter prompts per number of options
+    n_explore: int = 100  # prompts the explorer scores; it shows `n_show`
+    n_show: int = 8
+    n_checkpoint: int = 40  # category MCQs of each kind for a checkpoint
+    chance: float = 0.25  # letter chance with four options
 
-
-def mixer(model: nn.Module, layer: int) -> nn.Module:
-    """The sequence mixer of a block: self-attention, or the (Mamba-1/2) SSM mixer."""
-    block = layers(model)[layer]
-    for name in ("self_attn", "mixer", "mamba"):
-        if hasattr(block, name):
-            return getattr(block, name)
-    raise TypeError(f"block {layer} ({type(block).__name__}) has no self_attn/mixer/mamba module.")
-
-
-def out_proj(model: nn.Module, layer: int) -> nn.Linear:
-    m = mixer(model, layer)
-    return m.o_proj if hasattr(m, "o_proj") else m.out_proj
-
-
-def head_shape(model: nn.Module, layer: int) -> tuple[int, int]:
-    """(number of heads H, head width d_head) of a layer's mixer input to its output projection."""
-    m, cfg = mixer(model, layer), model.config
-    if hasattr(m, "o_proj"):  # attention: query heads (with GQA, K/V heads are shared; ablate at o_proj)
-        H = cfg.num_attention_heads
-        return H, m.o_proj.in_features // H
-    if hasattr(m, "num_heads") and hasattr(m, "head_dim"):  # Mamba-2 SSD heads
-        return m.num_heads, m.head_dim
-    return m.out_proj.in_features, 1  # Mamba-1: every inner channel is a head
-
-
-# ------------------------------------------------------------------------------------ the operator
-
-def head_mask(H: int, heads: Iterable[int], *, keep: bool) -> torch.Tensor:
-    """(H,) of 0/1: zeros on `heads` (remove) or everywhere else (keep)."""
-    heads = list(heads)
-    if any(not 0 <= h < H for h in heads):
-        raise IndexError(f"head indices {heads} out of range for {H} heads.")
-    mask = torch.zeros(H) if keep else torch.ones(H)
-    mask[heads] = 1.0 if keep else 0.0
-    return mask
+    @classmethod
+    def for_scale(cls, scale: str, control: str = "") -> Config:
+        """"full": 3× the training steps and prompts; the `untrained` control trains no step."""
+        if control and control not in CONTROLS:
+            raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
+        sizes = {} if scale == "smoke" else dict(transformer_steps=6000, mamba2_steps=1200, n_letter=1000,
+                                                   n_cloze=300, n_rows=256, n_per_k=500, n_checkpoint=1000)
+        return cls(**sizes | (dict(transformer_steps=0, mamba2_steps=0) if control == "untrained" else {}))
 
 
-@contextmanager
-def ablate(model: nn.Module, heads: Heads, *, keep: bool = False) -> Iterator[nn.Module]:
-    """Within the block, the listed heads are removed (`keep=False`) or are the only ones kept in
-    their layers (`keep=True`): W_out[:, h, :] = 0 for the zeroed heads. Weights are restored
-    bit-for-bit on exit, also after an exception."""
-    saved = {}
-    try:
-        for layer, hs in heads.items():
-            W = out_proj(model, layer).weight  # (d_model, H·d_head)
-            H, d_head = head_shape(model, layer)
-            saved[layer] = W.detach().clone()
-            mask = head_mask(H, hs, keep=keep).to(W)
-            with torch.no_grad():
-                W.view(W.shape[0], H, d_head).mul_(mask[None, :, None])
-        yield model
-    finally:
-        with torch.no_grad():
-            for layer, W0 in saved.items():
-                out_proj(model, layer).weight.copy_(W0)
+# ------------------------------------------------------------------------------ what is studied
+
+@dataclass
+class Study:
+    """The models under study, their tokenizer and task, held-out prompts (seeded by 10 000 + seed), each
+    model's (gather, aggregate) layer pair (a checkpoint's comes from `locate`) and its given G and A."""
+
+    models: dict[str, nn.Module]
+    tokenizer: object
+    task: LetterRetrieval | CategoryMCQ
+    letter_ex: list[dict]
+    cloze_ex: list[dict]
+    pairs: dict[str, tuple[int, int]]
+    heads: dict[str, tuple[tuple[int, int], tuple[int, int]] | None]  # None: the sweep finds G and A
+    info: dict[str, dict]  # per model: what was built or loaded
+
+    def letter(self, model: nn.Module) -> Evaluate:  # retrieval
+        return partial(choice_accuracy, model, self.tokenizer, self.letter_ex, self.task.letters)
+
+    def cloze(self, model: nn.Module) -> Evaluate:  # the knowledge alone (None: each example's choices)
+        return partial(choice_accuracy, model, self.tokenizer, self.cloze_ex, self.task.choices("cloze"))
 
 
-class _Skip(nn.Module):
-    """A block that passes the residual stream through unchanged."""
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
-
-
-@contextmanager
-def pruned(model: nn.Module, *, keep_layers: int | None = None, skip: int | None = None) -> Iterator[nn.Module]:
-    """Keep only the first `keep_layers` blocks (cumulative pruning from the top, §3), or replace
-    block `skip` by the identity. The original blocks come back on exit."""
-    mods = layers(model)
-    original = list(mods)
-    try:
-        if keep_layers is not None:
-            for i in range(keep_layers, len(original)):
-                mods[i] = _Skip()
-        if skip is not None:
-            mods[skip] = _Skip()
-        yield model
-    finally:
-        for i, block in enumerate(original):
-            mods[i] = block
+def train_toys(cfg: Config, seed: int, *, device: str = "cpu") -> Study:
+    """The Transformer and the Mamba-2 trained (or loaded from the cache) on the same letter batches."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    task = LetterRetrieval(max_filler=0, n_questions=cfg.n_questions, n_labels=cfg.n_labels,
+                           n_options=cfg.n_options, min_options=cfg.min_options)
+    V = len(task.tokenizer)
+    builds = {"transformer": (partial(tiny_llama, vocab_size=V, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                                      n_heads=cfg.n_heads), cfg.transformer_steps),
+              "mamba2": (partial(tiny_mamba2, vocab_size=V, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                                 head_dim=cfg.head_dim), cfg.mamba2_steps)}
+    models, info = {}, {}
+    for name, (build, steps) in builds.items():
+        res = fit(build, task, TrainConfig(steps=steps, batch_size=cfg.batch_size, lr=cfg.lr, seed=seed), device=device)
+        models[name] = res.model
+        info[name] = {"parameters": sum(p.numel() for p in res.model.parameters()), "steps": steps,
+                      "final loss": round(res.losses[-1], 4) if steps else float("nan"), "from the cache": res.cached,
+                      "seconds": round(res.seconds)}
+    letter_ex = task.examples(cfg.n_letter, g, "letter", n_options=cfg.eval_options)
+    cloze_ex = task.examples(cfg.n_cloze, g, "cloze")
+    return Study(models, task.tokenizer, task, letter_ex, cloze_ex, {name: (0, 1) for name in models},
+                 {name: None for name in models}, info)
 
 
-def all_heads(model: nn.Module, layer: int) -> Heads:
-    """Every head of one layer, as an `ablate` argument (removing them all silences the layer's mixer)."""
-    return {layer: list(range(head_shape(model, layer)[0]))}
+def load_checkpoint(cfg: Config, model: str, seed: int, *, device: str = "cpu") -> Study:
+    """A checkpoint (`load_model`) on English category MCQs, with the paper's heads where it reports them."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    net, tok = load_model(model, device=device)
+    task = CategoryMCQ()
+    letter_ex = task.examples(cfg.n_checkpoint, g, "letter")
+    cloze_ex = task.examples(cfg.n_checkpoint, g, "cloze")
+    heads = paper_heads(model)
+    return Study({"checkpoint": net}, tok, task, letter_ex, cloze_ex, {}, {"checkpoint": heads},
+                 {"checkpoint": {"parameters": sum(p.numel() for p in net.parameters()), "paper's heads": heads}})
 
 
 def random_heads(model: nn.Module, layer_ids: Iterable[int], n: int, generator: torch.Generator) -> Heads:
     """`n` heads drawn uniformly without replacement from all heads of `layer_ids`: the random-heads control
     (an ablation of the same size as the one it stands in for, not targeted at any layer)."""
-    pool = [(layer, h) for layer in layer_ids for h in range(head_shape(model, layer)[0])]
+    pool = [(layer, h) for layer in layer_ids for h in range(hooks.head_shape(model, layer)[0])]
     if not 0 <= n <= len(pool):
         raise ValueError(f"cannot draw {n} heads from {len(pool)}.")
     out: dict[int, list[int]] = {}
@@ -156,14 +162,14 @@ def random_heads(model: nn.Module, layer_ids: Iterable[int], n: int, generator: 
     return {layer: sorted(hs) for layer, hs in out.items()}
 
 
-# ------------------------------------------------------------------------------------ the protocol
+# ------------------------------------------------------------------------ step 1: the layer level
 
 def pruning_curve(model: nn.Module, evaluate: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
-    """Each metric with the first k blocks kept, k = 1..L (the paper's Fig. 2 curve)."""
-    L = len(layers(model))
+    """Each metric with the first k blocks kept, k = 1..L (cumulative pruning from the top, the paper's Fig. 2)."""
+    L = len(hooks.layers(model))
     curve = {name: [] for name in evaluate}
     for k in range(1, L + 1):
-        with pruned(model, keep_layers=k):
+        with hooks.pruned(model, keep_layers=k):
             for name, f in evaluate.items():
                 curve[name].append(f())
     return curve
@@ -180,15 +186,57 @@ def collapse_layer(curve: list[float], *, chance: float, margin: float = 0.5) ->
     return next(k for k, v in enumerate(curve) if v >= bar)
 
 
+def locate(model: nn.Module, letter: Evaluate, cloze: Evaluate, heads=None, *, chance: float
+           ) -> tuple[tuple[int, int], dict[str, list[float]]]:
+    """The (gather, aggregate) layer pair of a checkpoint and its pruning curve: the aggregate layer is
+    the last block letter accuracy needs (or the layer of the given A), the gather layer the one before."""
+    curve = pruning_curve(model, {"letter": letter, "cloze": cloze})
+    la = heads[1][0] if heads else collapse_layer(curve["letter"], chance=chance)
+    if la is None:
+        la = len(curve["letter"]) - 1
+        warnings.warn("letter accuracy never rises above chance; no retrieval to localise, using the last layers",
+                      stacklevel=2)
+    return (max(la - 1, 0), max(la, 1)), curve
+
+
+def layer_level(model: nn.Module, letter: Evaluate, cloze: Evaluate, pair: tuple[int, int], *,
+                random_seed: int | None = None) -> dict[str, tuple[float, float]]:
+    """(letter, cloze) accuracy of the minimal model (the blocks up to the aggregate layer), of the blocks
+    up to the gather layer, and without every head of the gather / aggregate layer (the MLPs stay).
+    With `random_seed` (the random_heads control) each layer's removal is replaced by as many heads
+    drawn at random from both layers (a fresh generator seeded with it for each)."""
+    lg, la = pair
+    with hooks.pruned(model, keep_layers=la + 1):
+        row = {"minimal model": (letter(), cloze())}
+        with hooks.pruned(model, keep_layers=lg + 1):
+            row["up to the gather layer"] = (letter(), cloze())
+        for what, layer in (("gather", lg), ("aggregate", la)):
+            heads = hooks.all_heads(model, layer)
+            if random_seed is not None:
+                heads = random_heads(model, (lg, la), len(heads[layer]), torch.Generator().manual_seed(random_seed))
+            with hooks.ablate_heads(model, heads):
+                row[f"no {what}-layer heads"] = (letter(), cloze())
+    return row
+
+
+def share_lost(row: dict[str, tuple[float, float]], *, chance: float) -> float:
+    """The part of the above-chance letter accuracy that removing the aggregate layer's heads takes
+    away, (full − cut) / (full − chance), of a `layer_level` row; nan when the full model is at chance."""
+    full, cut = row["minimal model"][0], row["no aggregate-layer heads"][0]
+    return (full - cut) / (full - chance) if full > chance else float("nan")
+
+
+# ------------------------------------------------------------------------- step 2: the head level
+
 def head_sweep(model: nn.Module, layer_ids: Iterable[int], evaluate: Evaluate) -> torch.Tensor:
     """Accuracy drop when removing each single head of each listed layer: (len(layers), H)."""
     base = evaluate()
     rows = []
     for layer in layer_ids:
-        H, _ = head_shape(model, layer)
+        H, _ = hooks.head_shape(model, layer)
         row = []
         for h in range(H):
-            with ablate(model, {layer: [h]}):
+            with hooks.ablate_heads(model, {layer: [h]}):
                 row.append(base - evaluate())
         rows.append(row)
     return torch.tensor(rows)
@@ -204,7 +252,7 @@ def four_configurations(model: nn.Module, gather: tuple[int, int], aggregate: tu
     out = {}
     for name, (keep_g, keep_a) in configs.items():
         keep = {lg: keep_g, la: keep_a} if lg != la else {lg: keep_g + keep_a}
-        with ablate(model, keep, keep=True):
+        with hooks.ablate_heads(model, keep, keep=True):
             out[name] = evaluate()
     return out
 
@@ -224,6 +272,11 @@ class Discovery:
     other_max: float  # largest letter drop of any other single head in those layers
     table: dict[str, float]  # the four keep-only configurations
 
+    def summary(self) -> dict:
+        """The measurements a run records."""
+        return {"layers": self.layer_ids, "gather": self.gather, "aggregate": self.aggregate, "removed": self.removed,
+                "other_max": self.other_max, "keep_only": self.table, "drop": self.drop}
+
 
 def discover(model: nn.Module, letter: Evaluate, cloze: Evaluate, layer_ids: tuple[int, int], *,
              heads: tuple[tuple[int, int], tuple[int, int]] | None = None) -> Discovery:
@@ -239,7 +292,7 @@ def discover(model: nn.Module, letter: Evaluate, cloze: Evaluate, layer_ids: tup
     gather, aggregate = heads
     removed = {}
     for name, (layer, h) in (("gather", gather), ("aggregate", aggregate)):
-        with ablate(model, {layer: [h]}):
+        with hooks.ablate_heads(model, {layer: [h]}):
             removed[name] = (letter(), cloze())
     others = drop.clone()
     others[0, gather[1]] = others[1, aggregate[1]] = float("-inf")
@@ -247,22 +300,7 @@ def discover(model: nn.Module, letter: Evaluate, cloze: Evaluate, layer_ids: tup
                      float(others.max()), four_configurations(model, gather, aggregate, letter))
 
 
-# -------------------------------------------------------------------------------- attention maps
-
-@torch.no_grad()
-def attention(model: nn.Module, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
-    """Every head's (hidden-)attention matrix of one layer: (B, H, T, T).
-
-    Softmax attention for attention layers (eager attention); for Mamba-1/2 the SSM's hidden
-    attention (`lab.interp.hidden_attention`), which reproduces the layer's scan output."""
-    m = mixer(model, layer)
-    if hasattr(m, "o_proj"):
-        out = model(input_ids=input_ids, output_attentions=True, use_cache=False)
-        return out.attentions[layer].float()
-    from lab.interp.hidden_attention import hidden_attention
-
-    return hidden_attention(model, input_ids, layer)
-
+# ------------------------------------------------------------- step 3: how sharp is the aggregate row
 
 def sharpness(row: torch.Tensor, target: int | Sequence[int]) -> tuple[float, float]:
     """An aggregate row's focus: mass on the target position(s) Σ_t |a_t| / Σ_j |a_j| and the entropy
@@ -286,18 +324,57 @@ def decoy_positions(ids: torch.Tensor, target: torch.Tensor, delim_id: int, gene
     return torch.tensor(out)
 
 
-def max_entropy(T: int) -> float:
+def answer_segments(tokenizer, examples: list[dict], *, decoy_seed: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (n, T) of letter prompts (all one length) and the positions (n, 3) of the answer's
+    option: its letter, content and ⏎. With `decoy_seed` (the shuffled control) a randomly drawn wrong
+    option's instead (`decoy_positions`)."""
+    ids = torch.stack([tokenizer(e["prompt"], add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+                       for e in examples])  # (n, T)
+    target = torch.tensor([e["delim_pos"] for e in examples])  # (n,): the answer's delimiter
+    if decoy_seed is not None:
+        target = decoy_positions(ids, target, tokenizer.convert_tokens_to_ids(DELIM),
+                                 torch.Generator().manual_seed(decoy_seed))
+    return ids, target[:, None] - torch.arange(3)
+
+
+def aggregate_focus(model: nn.Module, ids: torch.Tensor, segment: torch.Tensor, aggregate: tuple[int, int]
+                    ) -> dict[str, float]:
+    """The aggregate layer's rows at the answer position, averaged over prompts: the mass on `segment`
+    and the entropy of head A and of the layer's head with the most mass ("best")."""
+    layer, a = aggregate
+    A = attention(model, ids.to(next(model.parameters()).device), layer).cpu()  # (n, H, T, T)
+    stats = torch.tensor([[sharpness(A[i, h, -1], segment[i]) for i in range(len(ids))]
+                          for h in range(A.shape[1])]).mean(1)  # (H, 2): mass on the segment, entropy
+    best = int(stats[:, 0].argmax())
+    return {"A mass": stats[a, 0].item(), "A entropy": stats[a, 1].item(),
+            "best head": best, "best mass": stats[best, 0].item(), "best entropy": stats[best, 1].item()}
+
+
+def max_entropy(T: int) -> float:  # of a uniform row over T tokens
     return math.log(T)
 
 
+# ------------------------------------------------------------- step 4: retrieval as the context grows
+
+def retrieval_vs_options(model: nn.Module, tokenizer, task: LetterRetrieval, aggregate: tuple[int, int],
+                         ks: Iterable[int], n: int, seed: int) -> dict[str, list[float]]:
+    """Letter accuracy with k options (the paper's KV-retrieval sweep over the number of pairs): intact,
+    without A, and without every head of A's layer, on `n` prompts per k (the same for every model)."""
+    la, a = aggregate
+    out = {"intact": [], "without A": [], "without L1 heads": []}
+    for k in ks:
+        ex = task.examples(n, torch.Generator().manual_seed(20_000 + 100 * seed + k), "letter", n_options=k)
+        acc = partial(choice_accuracy, model, tokenizer, ex, task.letters)
+        out["intact"].append(acc())
+        with hooks.ablate_heads(model, {la: [a]}):
+            out["without A"].append(acc())
+        with hooks.ablate_heads(model, {la: []}, keep=True):
+            out["without L1 heads"].append(acc())
+    return out
+
+
 # ------------------------------------------------------------------------- toy training prior
-
-def head_norms(model: nn.Module, layer: int) -> torch.Tensor:
-    """||W_out[:, h, :]||_F of every head of a layer: (H,). Zero means the head is switched off."""
-    W = out_proj(model, layer).weight  # (d_model, H·d_head)
-    H, d_head = head_shape(model, layer)
-    return W.view(W.shape[0], H, d_head).pow(2).sum((0, 2)).sqrt()
-
 
 @dataclass(frozen=True)
 class HeadLasso:
@@ -315,31 +392,15 @@ class HeadLasso:
 
     def __call__(self, model: nn.Module) -> torch.Tensor:
         """The prior's value (not added to the loss: the proximal step applies it)."""
-        return self.lam * sum(head_norms(model, layer).sum() for layer in range(len(layers(model)))).detach()
+        norms = (hooks.head_norms(model, layer).sum() for layer in range(len(hooks.layers(model))))
+        return self.lam * sum(norms).detach()
 
     @torch.no_grad()
     def prox(self, model: nn.Module, lr: float, step: int) -> None:
         if step < self.start:
             return
-        for layer in range(len(layers(model))):
-            W = out_proj(model, layer).weight
-            H, d_head = head_shape(model, layer)
-            shrink = (1 - lr * self.lam / head_norms(model, layer).clamp_min(1e-12)).clamp_min(0)  # (H,)
+        for layer in range(len(hooks.layers(model))):
+            W = hooks.out_proj(model, layer).weight
+            H, d_head = hooks.head_shape(model, layer)
+            shrink = (1 - lr * self.lam / hooks.head_norms(model, layer).clamp_min(1e-12)).clamp_min(0)  # (H,)
             W.view(W.shape[0], H, d_head).mul_(shrink[None, :, None])
-
-
-# ------------------------------------------------------------------------------------- scoring
-
-def accuracy(model: nn.Module, tokenizer, examples: list[dict], choices: list[str] | None = None) -> float:
-    """Share of examples whose answer has the highest log-prob among the choices (lm-eval style).
-
-    `choices` shared by all examples (one batched pass), or each example's own `choices`."""
-    from lab.models.score import choice_logprobs
-
-    if choices is not None:
-        logp = choice_logprobs(model, tokenizer, [e["prompt"] for e in examples], choices)  # (N, C)
-        target = torch.tensor([choices.index(e["answer"]) for e in examples])
-        return (logp.argmax(-1) == target).float().mean().item()
-    hits = [choice_logprobs(model, tokenizer, [e["prompt"]], e["choices"])[0].argmax().item()
-            == e["choices"].index(e["answer"]) for e in examples]
-    return sum(hits) / len(hits)

@@ -19,6 +19,7 @@ entries can be negative and rows do not sum to 1, so compare patterns after norm
 
 Works on Hugging Face `Mamba2Mixer` / `MambaMixer` (transformers 5.x) by replaying their torch forward up
 to the scan; `mixer_output_from_attention` rebuilds the mixer output from the matrix as a check.
+`attention` gives any layer's matrices, softmax attention or hidden attention, for the head explorer.
 Shape letters: B batch, T tokens, H heads, P head dim, N state, D inner channels (the variables `B`, `C`
 are the SSM's input/output projections, `D` its skip weight). Padding masks are not supported.
 """
@@ -30,6 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.mamba.modeling_mamba import MambaMixer
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+
+from lab.models import hooks
 
 
 def segsum(a: Tensor) -> Tensor:
@@ -109,21 +112,24 @@ def mixer_output_from_attention(mixer: Mamba2Mixer | MambaMixer, attn: Tensor, p
 @torch.no_grad()
 def hidden_attention(model: nn.Module, input_ids: Tensor, layer: int) -> Tensor:
     """Hidden attention of layer `layer` of a `Mamba2ForCausalLM` / `MambaForCausalLM` (or base model) on
-    `input_ids` (B, T): captures the mixer input with a pre-hook during one forward, returns
+    `input_ids` (B, T): captures the mixer input (`lab.models.hooks`) during one forward, returns
     (B, heads, T, T) float32 (heads = Mamba-2 heads, or Mamba-1 inner channels)."""
     mixer = model.base_model.layers[layer].mixer
-    captured = {}
-
-    def grab(module, args, kwargs):
-        captured["h"] = args[0] if args else kwargs["hidden_states"]
-
-    handle = mixer.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        model(input_ids=input_ids, use_cache=False)
-    finally:
-        handle.remove()
+    _, (h,) = hooks.run_with_cache(model, [mixer], input_ids=input_ids, use_cache=False)
     if isinstance(mixer, Mamba2Mixer):
-        return mamba2_hidden_attention(mixer, captured["h"])[0]
+        return mamba2_hidden_attention(mixer, h)[0]
     if isinstance(mixer, MambaMixer):
-        return mamba1_hidden_attention(mixer, captured["h"])[0]
+        return mamba1_hidden_attention(mixer, h)[0]
     raise TypeError(f"layer {layer} has a {type(mixer).__name__}, not a Mamba2Mixer or MambaMixer")
+
+
+@torch.no_grad()
+def attention(model: nn.Module, input_ids: Tensor, layer: int) -> Tensor:
+    """Every head's (hidden-)attention matrix of one layer of any causal LM: (B, H, T, T).
+
+    Softmax attention for attention layers (eager attention); for Mamba-1/2 the SSM's hidden
+    attention (`hidden_attention`), which reproduces the layer's scan output."""
+    if hasattr(hooks.mixer(model, layer), "o_proj"):
+        out = model(input_ids=input_ids, output_attentions=True, use_cache=False)
+        return out.attentions[layer].float()
+    return hidden_attention(model, input_ids, layer)

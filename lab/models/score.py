@@ -43,6 +43,19 @@ def choice_logprobs(model, tokenizer, prompts: Sequence[str], choices: Sequence[
     return out
 
 
+def choice_accuracy(model, tokenizer, examples: list[dict], choices: Sequence[str] | None = None) -> float:
+    """Share of examples whose `answer` has the highest log-prob among the choices (lm-eval style).
+
+    `choices` shared by all examples (one batched pass), or each example's own `choices`."""
+    if choices is not None:
+        logp = choice_logprobs(model, tokenizer, [e["prompt"] for e in examples], choices)  # (N, C)
+        target = torch.tensor([choices.index(e["answer"]) for e in examples])
+        return (logp.argmax(-1) == target).float().mean().item()
+    hits = [choice_logprobs(model, tokenizer, [e["prompt"]], e["choices"])[0].argmax().item()
+            == e["choices"].index(e["answer"]) for e in examples]
+    return sum(hits) / len(hits)
+
+
 def _by_length(seqs: list[list[int]]) -> list[tuple[torch.Tensor, list[list[int]]]]:
     """(indices, sequences) for each group of equal-length sequences."""
     groups: dict[int, list[int]] = defaultdict(list)

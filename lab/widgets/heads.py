@@ -2,9 +2,10 @@
 head off and watch the task accuracy, and see the accuracy drop of every head at once.
 
 Works on any causal LM the lab can build or load (`lab.models` toys, `load_model` checkpoints with
-eager attention, Mamba-1/2 via hidden attention), because it only uses `lab.interp.gather_aggregate`:
-`attention` for the maps, `ablate` for the switch, `head_shape` for the sizes. `head_explorer` is the
-live panel; `attention_figure` and `drop_figure` are the precomputed plotly views for the report.
+eager attention, Mamba-1/2 via hidden attention), because it only uses `lab.interp.hidden_attention.attention`
+for the maps and `lab.models.hooks` (`ablate_heads` for the switch, `layers` / `head_shape` for the sizes).
+`head_explorer` is the live panel; `attention_figure` and `drop_figure` are the precomputed plotly views for
+the report.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from contextlib import nullcontext
 import plotly.graph_objects as go
 import torch
 
-from lab.interp import gather_aggregate as ga
+from lab.interp.hidden_attention import attention
+from lab.models import hooks
 from lab.widgets.figures import show_in
 
 Evaluate = Callable[[torch.nn.Module, object], float]  # (model, tokenizer) -> accuracy
@@ -37,7 +39,16 @@ def head_map(model, tokenizer, prompt: str, layer: int, head: int) -> tuple[torc
     """One head's map on a prompt, min-max normalised: (T, T), and the token labels."""
     ids, toks = tokens_of(tokenizer, prompt)
     ids = ids.to(next(model.parameters()).device)
-    return minmax(ga.attention(model, ids, layer)[0, head].cpu()), toks
+    return minmax(attention(model, ids, layer)[0, head].cpu()), toks
+
+
+def head_maps(model, tokenizer, prompt: str, heads: Sequence[tuple[int, int]]
+              ) -> tuple[dict[tuple[int, int], torch.Tensor], list[str]]:
+    """`head_map` of several (layer, head)s on one prompt: {(layer, head): (T, T)} and the token labels."""
+    maps = {}
+    for layer, head in heads:
+        maps[layer, head], toks = head_map(model, tokenizer, prompt, layer, head)
+    return maps, toks
 
 
 def _labels(tokens: Sequence[str]) -> list[str]:
@@ -64,8 +75,8 @@ def attention_figure(maps: dict[tuple[int, int], torch.Tensor], tokens: Sequence
 
 def drop_figure(drop: torch.Tensor, *, layers: Sequence[int] | None = None,
                 title: str = "accuracy drop when one head is removed") -> go.Figure:
-    """Layer × head heat map of accuracy drops (`gather_aggregate.head_sweep`); `layers` names the
-    rows (default 0..L-1)."""
+    """Layer × head heat map of accuracy drops (as `lab.interp.gather_aggregate.head_sweep` measures);
+    `layers` names the rows (default 0..L-1)."""
     L, H = drop.shape
     layers = list(range(L)) if layers is None else list(layers)
     fig = go.Figure(go.Heatmap(z=drop.tolist(), x=[f"H{h}" for h in range(H)], y=[f"L{l}" for l in layers],
@@ -106,7 +117,7 @@ def head_explorer(models: dict[str, tuple[torch.nn.Module, object]], prompts: Se
         if key not in box.accuracy:
             model, tok = models[key[0]]
             if key[3]:
-                with ga.ablate(model, {key[1]: [key[2]]}):
+                with hooks.ablate_heads(model, {key[1]: [key[2]]}):
                     box.accuracy[key] = evaluate(model, tok)
             else:
                 box.accuracy[key] = evaluate(model, tok)
@@ -114,8 +125,8 @@ def head_explorer(models: dict[str, tuple[torch.nn.Module, object]], prompts: Se
 
     def sizes(_=None):
         model, _tok = models[name.value]
-        layer.max = len(ga.layers(model)) - 1
-        head.max = ga.head_shape(model, layer.value)[0] - 1
+        layer.max = len(hooks.layers(model)) - 1
+        head.max = hooks.head_shape(model, layer.value)[0] - 1
         if drops and name.value in drops:
             d = drops[name.value]
             drop, rows = d if isinstance(d, tuple) else (d, None)
@@ -124,8 +135,8 @@ def head_explorer(models: dict[str, tuple[torch.nn.Module, object]], prompts: Se
 
     def update(_=None):
         model, tok = models[name.value]
-        l, h = layer.value, min(head.value, ga.head_shape(model, layer.value)[0] - 1)
-        with ga.ablate(model, {l: [h]}) if ablate.value else nullcontext():
+        l, h = layer.value, min(head.value, hooks.head_shape(model, layer.value)[0] - 1)
+        with hooks.ablate_heads(model, {l: [h]}) if ablate.value else nullcontext():
             m, toks = head_map(model, tok, prompts[prompt.value], l, h)
         box.figure = attention_figure({(l, h): m}, toks, title=f"{name.value}: layer {l}, head {h}"
                                       + (" (ablated)" if ablate.value else ""))

@@ -63,3 +63,11 @@ def test_encoding_and_training_batches():
     b = W.batch(8, g)
     assert b["input_ids"].shape == (8, 9) and (b["labels"][:, :5] == -100).all()
     assert ((b["labels"] == tok.eos_token_id).sum(1) == 1).all() and not (b["labels"] == tok.pad_token_id).any()
+
+
+def test_words_stop_at_the_first_eos():
+    tok = W.tokenizer
+    ids = torch.tensor([tok.convert_tokens_to_ids(r) for r in (["red", "cross", "<eos>", "<pad>"],
+                                                               ["blue", "dot", "top-left", "bar"],
+                                                               ["<eos>", "red", "<eos>", "<pad>"])])
+    assert W.words(ids) == [["red", "cross"], ["blue", "dot", "top-left", "bar"], []]

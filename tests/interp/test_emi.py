@@ -57,3 +57,84 @@ def test_upper_bound_by_hand():
     assert E.upper_bound(0.04, 0.09, 0.0625, 0.0016, entropy_scale=2.0) == pytest.approx(2 * 0.5 + 4 * 0.7)
     assert sum(E.bound_terms(0.04, 0.09, 0.0625, 0.0016).values()) == pytest.approx(1.2)
     assert E.upper_bound(-1e-12, 0.0, 0.0, 0.0) == 0.0  # round-off below zero is clipped
+
+
+def test_judge_is_token_f1_by_hand():
+    ref = ["red", "cross", "top-left"]
+    assert E.judge(ref, ref) == 1.0
+    assert E.judge(["red", "dot"], ref) == pytest.approx(0.4)  # p = 1/2, r = 1/3: 2pr/(p+r) = (1/3)/(5/6)
+    assert E.judge(["red", "red"], ["red"]) == pytest.approx(2 / 3)  # a repeated word counts once: p = 1/2, r = 1
+    assert E.judge([], ref) == 0.0 and E.judge(["blue"], ["red"]) == 0.0
+
+
+def test_config_for_scale_and_control():
+    smoke, full = E.Config.for_scale("smoke"), E.Config.for_scale("full")
+    assert smoke == E.Config() and (smoke.n_objects, smoke.club_steps, smoke.shuffled) == (200, 1500, False)
+    assert (full.n_objects, full.club_steps) == (1000, 4000) and E.Config.for_scale("full", "shuffled").shuffled
+    with pytest.raises(ValueError, match="unknown control"):
+        E.Config.for_scale("smoke", "nope")
+
+
+class Parrot(torch.nn.Module):
+    """A scripted 'MLLM' that answers every query with the same words (then <eos> and padding)."""
+
+    def __init__(self, tok, words):
+        super().__init__()
+        self.ids = torch.tensor(tok.convert_tokens_to_ids(words + ["<eos>"] + ["<pad>"] * (3 - len(words))))
+
+    def generate(self, patches, prompt, steps):
+        return self.ids[:steps].expand(len(prompt), steps)
+
+
+def test_scenarios_score_a_scripted_model_by_hand():
+    from lab.data.vqa import FrozenEncoders, VisualQA
+
+    world = VisualQA()
+    enc = FrozenEncoders(world.tokenizer, seed=0)
+    objects = world.sample(30, torch.Generator().manual_seed(0))
+    grid = [("clean", 0), ("blur", 3)], [("clean", 0), ("typo", 1)]
+    scen = E.scenarios(world, Parrot(world.tokenizer, ["red"]), enc, objects, *grid, answer_tokens=4)
+    assert list(scen) == [(v, t) for v in grid[0] for t in grid[1]]
+    refs = [world.answer(o, int(k)) for o, k in zip(objects["object"].tolist(), objects["kind"])]
+    # "red" is exact on colour questions about red objects; against a 3-word description with red, F1 = 0.5
+    acc = sum(r == ["red"] for r in refs) / 30
+    rp = sum(1.0 if r == ["red"] else 0.5 if "red" in r else 0.0 for r in refs) / 30
+    for s in scen.values():
+        assert s["acc"] == pytest.approx(acc) and s["rp"] == pytest.approx(rp)
+        assert torch.equal(s["ym"], enc.text([["red"]] * 30)) and torch.equal(s["yr"], enc.text(refs))
+        torch.testing.assert_close(s["z"], (s["zv"] + s["zt"]) / 2)
+        assert [x[2] for x in s["examples"]] == [["red"]] * 30
+    g = torch.Generator().manual_seed(4)
+    parrot2 = Parrot(world.tokenizer, ["blue", "dot"])
+    plain = E.scenarios(world, parrot2, enc, objects, *grid, answer_tokens=4)
+    shuf = E.scenarios(world, parrot2, enc, objects, *grid, answer_tokens=4, shuffle=g)
+    g = torch.Generator().manual_seed(4)
+    for key in plain:  # one permutation per scenario, drawn in order from the generator
+        assert torch.equal(shuf[key]["ym"], plain[key]["ym"][torch.randperm(30, generator=g)])
+
+
+def test_measure_and_correlations_by_hand():
+    g = torch.Generator().manual_seed(0)
+    unit = lambda n: torch.nn.functional.normalize(torch.randn(n, 4, generator=g), dim=1)
+    scen = {k: {"z": unit(50), "zv": unit(50), "zt": unit(50), "ym": unit(50), "yr": unit(50), "rp": rp,
+                "examples": []} for k, rp in (("id", 1.0), ("a", 0.5), ("b", 0.2))}
+    X, Y = E.club_pairs(scen)
+    assert torch.equal(X[:100], torch.cat([scen["id"]["z"]] * 2)) and torch.equal(Y[250:], scen["b"]["ym"])
+    club = E.fit_club(X, Y, hidden=16, steps=20, quiet=True)
+    grid = E.measure(scen, club)
+    ID = scen["id"]
+    for k, s in scen.items():
+        assert s["emi"] == E.emi(club, s["z"], s["ym"], s["yr"]) == grid[k]["emi"]
+        assert s["jsd"] == (E.jsd_cov(ID["zv"], s["zv"]), E.jsd_cov(ID["zt"], s["zt"]), E.jsd_cov(ID["ym"], ID["yr"]),
+                            E.jsd_cov(s["ym"], s["yr"])) == grid[k]["jsd"]
+    # EMID and the bound, with hand-set EMIs and JSDs
+    for k, e, jsd in (("id", 0.0, (0, 0, 0.0016, 0.0016)), ("a", -0.2, (0.04, 0.09, 0.0016, 0.0625)),
+                      ("b", -0.5, (0.16, 0.25, 0.0016, 0.0625))):
+        scen[k].update(emi=e, jsd=jsd)
+    c = E.correlations(scen)
+    torch.testing.assert_close(c["emid"], torch.tensor([0.2, 0.5]))
+    torch.testing.assert_close(c["bound"], torch.tensor([0.2 + 0.3 + 0.2 + 0.5, 0.4 + 0.5 + 0.2 + 0.5]))
+    assert c["spearman_emi_rp"][0] == pytest.approx(1.0)  # EMI and RP fall together
+    assert c["pearson_emid_bound"][0] == pytest.approx(1.0) and c["spearman_emid_bound"][0] == pytest.approx(1.0)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert E.shuffled_emi(club, ID, g1) == E.emi(club, ID["z"], ID["ym"][torch.randperm(50, generator=g2)], ID["yr"])

@@ -3,107 +3,34 @@ import math
 
 import pytest
 import torch
-from transformers import MambaConfig, MambaForCausalLM
 
+from lab.data.letters import DELIM, LetterRetrieval
 from lab.interp import gather_aggregate as ga
-from lab.models import tiny_llama, tiny_mamba2, tiny_mixtral
+from lab.models import hooks, tiny_llama, tiny_mamba2
+from lab.models.score import choice_accuracy
 
 V = 20
 
 
 def models():
     torch.manual_seed(0)
-    mamba1 = MambaForCausalLM(MambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=2,
-                                          expand=2, use_mambapy=False))
     return {"llama": tiny_llama(vocab_size=V, d_model=32, n_layers=2, n_heads=4),
-            "mixtral": tiny_mixtral(vocab_size=V, d_model=32, n_layers=2, n_heads=4),
-            "mamba2": tiny_mamba2(vocab_size=V, d_model=32, n_layers=2, head_dim=16),
-            "mamba1": mamba1}
+            "mamba2": tiny_mamba2(vocab_size=V, d_model=32, n_layers=2, head_dim=16)}
 
 
 MODELS = models()
-X = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
 
 
-def logits(model):
-    with torch.no_grad():
-        return model(input_ids=X, use_cache=False).logits
-
-
-def manual_zero_head(model, layer, heads):
-    """Zero the heads' slices of the output projection's *input* with a hook: the reference."""
-    H, d_head = ga.head_shape(model, layer)
-
-    def hook(_, args):
-        (x,) = args
-        x = x.clone().view(*x.shape[:-1], H, d_head)
-        x[..., heads, :] = 0
-        return (x.view(*x.shape[:-2], H * d_head),)
-
-    return ga.out_proj(model, layer).register_forward_pre_hook(hook)
-
-
-@pytest.mark.parametrize("name", list(MODELS))
-def test_head_shapes(name):
-    m = MODELS[name]
-    H, d_head = ga.head_shape(m, 0)
-    assert H * d_head == ga.out_proj(m, 0).in_features
-    assert {"llama": (4, 8), "mixtral": (4, 8), "mamba2": (4, 16), "mamba1": (32, 1)}[name] == (H, d_head)
-
-
-@pytest.mark.parametrize("name", list(MODELS))
-def test_ablation_equals_zeroing_the_heads_output(name):
-    m = MODELS[name].eval()
-    heads = [1, 2]
-    handle = manual_zero_head(m, 1, heads)
-    want = logits(m)
-    handle.remove()
-    with ga.ablate(m, {1: heads}):
-        got = logits(m)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(got, logits(m))  # and it did change something
-
-
-@pytest.mark.parametrize("name", list(MODELS))
-def test_keep_and_remove_are_complements_and_restore_exactly(name):
-    m = MODELS[name]
-    W0 = {l: ga.out_proj(m, l).weight.detach().clone() for l in (0, 1)}
-    heads = {0: [0], 1: [1, 3]}
-    with ga.ablate(m, heads):
-        removed = {l: ga.out_proj(m, l).weight.detach().clone() for l in heads}
-    with ga.ablate(m, heads, keep=True):
-        kept = {l: ga.out_proj(m, l).weight.detach().clone() for l in heads}
-    for l in heads:
-        assert torch.equal(removed[l] + kept[l], W0[l])  # complementary masks: exact inverse pair
-        assert torch.equal(ga.out_proj(m, l).weight, W0[l])  # restored bit for bit
-    with pytest.raises(RuntimeError), ga.ablate(m, {1: [0]}):
-        raise RuntimeError("restored even on error")
-    assert torch.equal(ga.out_proj(m, 1).weight, W0[1])
-    with pytest.raises(IndexError):
-        with ga.ablate(m, {0: [99]}):
-            pass
-
-
-def test_pruned_keeps_the_first_blocks_and_restores():
-    m = MODELS["llama"].eval()
-    full = logits(m)
-    with ga.pruned(m, keep_layers=1):
-        one = logits(m)
-    # reference: the residual stream after the first block, then the final norm and the head
-    with torch.no_grad():
-        after_first = m.model(input_ids=X, output_hidden_states=True, use_cache=False).hidden_states[1]
-        torch.testing.assert_close(one, m.lm_head(m.model.norm(after_first)))
-    assert not torch.allclose(one, full)
-    torch.testing.assert_close(logits(m), full)  # restored
-    with ga.pruned(m, skip=1):  # skipping the last block is the same as keeping the first
-        torch.testing.assert_close(logits(m), one)
+def alive(m, l, h):
+    """Whether head h of layer l is switched on (read off the live output-projection weights)."""
+    return bool(hooks.out_proj(m, l).weight.view(32, 4, 8)[:, h].abs().sum() > 0)
 
 
 def test_sweep_four_configurations_and_collapse_on_a_scripted_model():
     m = MODELS["llama"]
     # an "accuracy" that needs head 2 of layer 0 and head 1 of layer 1 (read off the live weights)
     def acc():
-        alive = lambda l, h: ga.out_proj(m, l).weight.view(32, 4, 8)[:, h].abs().sum() > 0
+        alive = lambda l, h: hooks.out_proj(m, l).weight.view(32, 4, 8)[:, h].abs().sum() > 0
         return 0.25 + 0.75 * float(alive(0, 2) and alive(1, 1))
 
     drop = ga.head_sweep(m, [0, 1], acc)
@@ -113,18 +40,9 @@ def test_sweep_four_configurations_and_collapse_on_a_scripted_model():
     assert table == {"gather + aggregate": 1.0, "only aggregate": 0.25, "only gather": 0.25, "none": 0.25}
     assert ga.collapse_layer([0.25, 0.26, 0.9, 0.95], chance=0.25) == 2
     assert ga.collapse_layer([0.2, 0.25, 0.22], chance=0.25) is None  # no retrieval anywhere
-    curve = ga.pruning_curve(m, {"n_blocks": lambda: float(sum(not isinstance(b, ga._Skip) for b in ga.layers(m)))})
+    n_blocks = lambda: float(sum(not isinstance(b, hooks.Skip) for b in hooks.layers(m)))
+    curve = ga.pruning_curve(m, {"n_blocks": n_blocks})
     assert curve == {"n_blocks": [1.0, 2.0]}
-
-
-def test_attention_for_each_kind():
-    for name in ("llama", "mamba2", "mamba1"):
-        m = MODELS[name]
-        A = ga.attention(m, X[:1], 1)
-        H, _ = ga.head_shape(m, 1)
-        assert A.shape == (1, H, 9, 9)
-        assert torch.all(A.triu(1) == 0)
-    torch.testing.assert_close(ga.attention(MODELS["llama"], X[:1], 0).sum(-1), torch.ones(1, 4, 9))
 
 
 def test_sharpness_by_hand():
@@ -138,46 +56,31 @@ def test_sharpness_by_hand():
 
 def test_head_lasso_is_a_sum_of_head_norms():
     m = MODELS["llama"]
-    want = sum(ga.out_proj(m, l).weight.view(32, 4, 8)[:, h].norm() for l in (0, 1) for h in range(4))
+    want = sum(hooks.out_proj(m, l).weight.view(32, 4, 8)[:, h].norm() for l in (0, 1) for h in range(4))
     torch.testing.assert_close(ga.HeadLasso(0.5)(m), 0.5 * want)
 
 
 def test_head_lasso_prox_is_group_soft_thresholding():
     m = copy.deepcopy(MODELS["llama"])
-    W0 = ga.out_proj(m, 1).weight.detach().clone().view(32, 4, 8)
+    W0 = hooks.out_proj(m, 1).weight.detach().clone().view(32, 4, 8)
     norms = W0.pow(2).sum((0, 2)).sqrt()  # (4,)
     tau = float(norms.sort().values[1] + norms.sort().values[2]) / 2  # two heads below, two above
     lasso = ga.HeadLasso(lam=2.0, start=3)
     lasso.prox(m, tau / 2.0, step=2)  # before `start`: nothing happens
-    assert torch.equal(ga.out_proj(m, 1).weight.view(32, 4, 8), W0)
+    assert torch.equal(hooks.out_proj(m, 1).weight.view(32, 4, 8), W0)
     lasso.prox(m, tau / 2.0, step=3)
-    W = ga.out_proj(m, 1).weight.view(32, 4, 8)
+    W = hooks.out_proj(m, 1).weight.view(32, 4, 8)
     for h in range(4):  # by hand: zero below the threshold, else shrunk by tau along its direction
         want = torch.zeros_like(W0[:, h]) if norms[h] <= tau else W0[:, h] * (1 - tau / norms[h])
         torch.testing.assert_close(W[:, h], want)
-    assert (ga.head_norms(m, 1) == 0).sum() == 2
-
-
-def test_accuracy_shared_and_per_example_choices():
-    from lab.models import word_tokenizer
-
-    tok = word_tokenizer(["a", "b", "c", "x"])
-    torch.manual_seed(0)
-    m = tiny_llama(vocab_size=len(tok), d_model=16, n_layers=1, n_heads=2).eval()
-    ex = [{"prompt": "x a", "answer": "b"}, {"prompt": "x b", "answer": "c"}, {"prompt": "x c", "answer": "a"}]
-    from lab.models.score import choice_logprobs
-
-    logp = choice_logprobs(m, tok, [e["prompt"] for e in ex], ["a", "b", "c"])
-    want = sum(["abc"[i] == e["answer"] for i, e in zip(logp.argmax(1).tolist(), ex)]) / 3
-    assert ga.accuracy(m, tok, ex, ["a", "b", "c"]) == want
-    assert ga.accuracy(m, tok, [{**e, "choices": ["a", "b", "c"]} for e in ex]) == want
+    assert (hooks.head_norms(m, 1) == 0).sum() == 2
 
 
 def test_discover_on_a_scripted_model():
     m = MODELS["llama"]
 
     def alive(l, h):
-        return ga.out_proj(m, l).weight.view(32, 4, 8)[:, h].abs().sum() > 0
+        return hooks.out_proj(m, l).weight.view(32, 4, 8)[:, h].abs().sum() > 0
 
     letter = lambda: 0.25 + 0.75 * float(alive(0, 3) and alive(1, 0)) - 0.05 * float(not alive(1, 2))
     cloze = lambda: 1.0
@@ -186,6 +89,9 @@ def test_discover_on_a_scripted_model():
     assert d.letter == 1.0 and d.removed == {"gather": (0.25, 1.0), "aggregate": (0.25, 1.0)}
     assert d.other_max == pytest.approx(0.05)
     assert d.table["gather + aggregate"] == pytest.approx(0.95) and d.table["none"] == pytest.approx(0.2)
+    summary = d.summary()
+    assert summary["layers"] == [0, 1] and summary["keep_only"] == d.table and summary["drop"] is d.drop
+    assert summary["gather"] == (0, 3) and summary["removed"] == d.removed and summary["other_max"] == d.other_max
     assert ga.discover(m, letter, cloze, (0, 1), heads=((0, 1), (1, 1))).gather == (0, 1)
 
 
@@ -196,12 +102,9 @@ def test_paper_heads_by_hub_id_or_folder_name():
     assert ga.paper_heads("/tmp/some-tiny-model") is None
 
 
-def test_all_heads_silences_the_layer_and_random_heads_draws_a_seeded_set_of_that_size():
+def test_random_heads_draws_a_seeded_set_of_the_layer_size():
     m = MODELS["mamba2"].eval()
-    H, _ = ga.head_shape(m, 1)
-    assert ga.all_heads(m, 1) == {1: list(range(H))}
-    with ga.ablate(m, ga.all_heads(m, 1)):
-        assert ga.out_proj(m, 1).weight.abs().sum() == 0
+    H, _ = hooks.head_shape(m, 1)
     draws = [ga.random_heads(m, (0, 1), H, torch.Generator().manual_seed(s)) for s in range(20)]
     assert all(sum(map(len, d.values())) == H for d in draws)  # as many heads as the layer it stands in for
     assert all(len(set(hs)) == len(hs) and set(hs) <= set(range(H)) for d in draws for hs in d.values())
@@ -229,3 +132,125 @@ def test_the_notebook_declares_the_documented_controls():
 
     nb = Path(__file__).resolve().parents[2] / "notebooks" / "09_gather_aggregate.ipynb"
     assert set(declared_controls(nb)) == set(ga.CONTROLS) == {"random_heads", "shuffled", "untrained"}
+
+
+def test_config_for_scale_and_controls():
+    smoke, full = ga.Config.for_scale("smoke"), ga.Config.for_scale("full")
+    assert smoke == ga.Config() and (smoke.transformer_steps, smoke.mamba2_steps) == (2000, 400)
+    assert (full.transformer_steps, full.mamba2_steps, full.n_letter, full.n_rows) == (6000, 1200, 1000, 256)
+    untrained = ga.Config.for_scale("full", "untrained"), ga.Config.for_scale("smoke", "untrained")
+    assert all(c.transformer_steps == c.mamba2_steps == 0 for c in untrained)
+    assert ga.Config.for_scale("smoke", "shuffled") == smoke
+    with pytest.raises(ValueError, match="unknown control"):
+        ga.Config.for_scale("smoke", "nope")
+    with pytest.raises(AttributeError):
+        smoke.n_rows = 1  # frozen
+
+
+def test_untrained_toys_are_the_seeded_initialisation_and_prompts_come_from_their_seed():
+    cfg = ga.Config.for_scale("smoke", "untrained")
+    cfg = type(cfg)(**{**cfg.__dict__, "n_letter": 6, "n_cloze": 4})
+    study = ga.train_toys(cfg, 3)
+    task = LetterRetrieval(max_filler=0, n_questions=4, n_labels=8, n_options=6, min_options=2)
+    V = len(task.tokenizer)
+    torch.manual_seed(3)
+    want = {"transformer": tiny_llama(vocab_size=V, d_model=64, n_layers=2, n_heads=4)}
+    torch.manual_seed(3)
+    want["mamba2"] = tiny_mamba2(vocab_size=V, d_model=64, n_layers=2, head_dim=16)
+    for name, m in want.items():
+        got = study.models[name].state_dict()
+        assert all(torch.equal(got[k], v) for k, v in m.state_dict().items())
+    g = torch.Generator().manual_seed(10_003)
+    assert study.letter_ex == task.examples(6, g, "letter", n_options=4)
+    assert study.cloze_ex == task.examples(4, g, "cloze")
+    assert study.pairs == {"transformer": (0, 1), "mamba2": (0, 1)}
+    assert study.heads == {"transformer": None, "mamba2": None}
+    m = study.models["transformer"]
+    assert study.letter(m)() == choice_accuracy(m, study.tokenizer, study.letter_ex, task.letters)
+    assert study.cloze(m)() == choice_accuracy(m, study.tokenizer, study.cloze_ex, task.contents)
+
+
+def test_layer_level_on_a_scripted_model():
+    m = MODELS["llama"]
+    n_blocks = lambda: sum(not isinstance(b, hooks.Skip) for b in hooks.layers(m))
+    letter = lambda: 0.25 + 0.75 * float(n_blocks() == 2 and alive(m, 1, 1))  # needs both blocks and L1H1
+    cloze = lambda: sum(alive(m, 0, h) for h in range(4)) / 4  # reads layer 0's heads
+    row = ga.layer_level(m, letter, cloze, (0, 1))
+    assert row == {"minimal model": (1.0, 1.0), "up to the gather layer": (0.25, 1.0),
+                   "no gather-layer heads": (1.0, 0.0), "no aggregate-layer heads": (0.25, 1.0)}
+    assert ga.share_lost(row, chance=0.25) == 1.0
+    draw = ga.random_heads(m, (0, 1), 4, torch.Generator().manual_seed(5))  # the control: one draw, used twice
+    want = (0.25 if 1 in draw.get(1, []) else 1.0, 1 - len(draw.get(0, [])) / 4)
+    row = ga.layer_level(m, letter, cloze, (0, 1), random_seed=5)
+    assert row["no gather-layer heads"] == row["no aggregate-layer heads"] == want
+    assert all(alive(m, l, h) for l in (0, 1) for h in range(4)) and n_blocks() == 2  # everything restored
+
+
+def test_share_lost_by_hand():
+    row = {"minimal model": (0.85, 1.0), "no aggregate-layer heads": (0.4, 1.0)}
+    assert ga.share_lost(row, chance=0.25) == pytest.approx(0.45 / 0.6)
+    at_chance = {"minimal model": (0.25, 1.0), "no aggregate-layer heads": (0.2, 1.0)}
+    assert math.isnan(ga.share_lost(at_chance, chance=0.25))
+
+
+def test_locate_takes_the_collapse_layer_or_the_given_heads():
+    m = MODELS["llama"]
+    n_blocks = lambda: sum(not isinstance(b, hooks.Skip) for b in hooks.layers(m))
+    letter, cloze = lambda: [0.25, 0.9][n_blocks() - 1], lambda: 1.0
+    pair, curve = ga.locate(m, letter, cloze, chance=0.25)
+    assert pair == (0, 1) and curve == {"letter": [0.25, 0.9], "cloze": [1.0, 1.0]}
+    assert ga.locate(m, letter, cloze, ((5, 1), (7, 2)), chance=0.25)[0] == (6, 7)
+    with pytest.warns(UserWarning, match="never rises above chance"):
+        assert ga.locate(m, lambda: 0.2, cloze, chance=0.25)[0] == (0, 1)
+
+
+def test_answer_segments_are_the_answer_option_or_a_decoy():
+    task = LetterRetrieval(max_filler=0, n_labels=8)
+    ex = task.examples(40, torch.Generator().manual_seed(0))
+    rows, answer, delim = task.letter_rows(40, torch.Generator().manual_seed(0))
+    tok = task.tokenizer
+    ids, seg = ga.answer_segments(tok, ex)
+    assert torch.equal(ids, rows) and seg.shape == (40, 3) and torch.equal(seg[:, 0], delim)
+    n = torch.arange(40)
+    assert torch.equal(ids[n, seg[:, 0]], torch.tensor(tok.convert_tokens_to_ids([DELIM] * 40)))
+    assert tok.convert_ids_to_tokens(ids[n, seg[:, 2]].tolist()) == [e["answer"] for e in ex]  # the option's letter
+    _, decoy = ga.answer_segments(tok, ex, decoy_seed=0)
+    assert torch.equal(ids[n, decoy[:, 0]], ids[n, seg[:, 0]]) and torch.all(decoy[:, 0] != seg[:, 0])
+    assert all(a != e["answer"] for a, e in zip(tok.convert_ids_to_tokens(ids[n, decoy[:, 2]].tolist()), ex))
+
+
+def test_aggregate_focus_against_a_naive_loop():
+    m = MODELS["llama"].eval()
+    ids = torch.randint(0, V, (3, 9), generator=torch.Generator().manual_seed(2))
+    seg = torch.tensor([[8, 7, 6], [5, 4, 3], [2, 1, 0]])
+    got = ga.aggregate_focus(m, ids, seg, (1, 2))
+    with torch.no_grad():
+        A = m(input_ids=ids, output_attentions=True).attentions[1][:, :, -1]  # (n, H, T): the last rows
+    mass, ent = torch.zeros(4), torch.zeros(4)
+    for h in range(4):
+        for i in range(3):
+            p = A[i, h].abs() / A[i, h].abs().sum()
+            mass[h] += p[seg[i]].sum() / 3
+            ent[h] -= sum(float(x * math.log(x)) for x in p if x > 0) / 3
+    best = int(mass.argmax())
+    assert got["best head"] == best
+    want = {"A mass": mass[2], "A entropy": ent[2], "best mass": mass[best], "best entropy": ent[best]}
+    for key, value in want.items():
+        assert got[key] == pytest.approx(float(value), abs=1e-5)
+
+
+def test_retrieval_vs_options_against_heads_zeroed_by_hand():
+    task = LetterRetrieval(max_filler=0, n_labels=8, n_options=4)
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=len(task.tokenizer), d_model=32, n_layers=2, n_heads=4).eval()
+    got = ga.retrieval_vs_options(m, task.tokenizer, task, (1, 2), [2, 4], 30, seed=1)
+    cut_a, cut_all = copy.deepcopy(m), copy.deepcopy(m)
+    with torch.no_grad():
+        cut_a.model.layers[1].self_attn.o_proj.weight[:, 16:24] = 0  # head 2's 8 inputs
+        cut_all.model.layers[1].self_attn.o_proj.weight.zero_()
+    want = {"intact": [], "without A": [], "without L1 heads": []}
+    for k in (2, 4):
+        ex = task.examples(30, torch.Generator().manual_seed(20_000 + 100 + k), "letter", n_options=k)
+        for cond, model in zip(want, (m, cut_a, cut_all)):
+            want[cond].append(choice_accuracy(model, task.tokenizer, ex, task.letters))
+    assert got == want

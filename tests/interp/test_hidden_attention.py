@@ -8,6 +8,7 @@ import torch
 from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
 
 from lab.interp.hidden_attention import (
+    attention,
     hidden_attention,
     mamba1_hidden_attention,
     mamba2_hidden_attention,
@@ -164,3 +165,23 @@ def test_other_modules_are_rejected():
     with pytest.raises(TypeError, match="Mamba2Mixer or MambaMixer"):
         mixer_output_from_attention(torch.nn.Linear(2, 2), torch.zeros(1, 1, 2, 2),
                                     {"x": torch.zeros(1), "z": torch.zeros(1), "D": torch.zeros(1)})
+
+
+def test_attention_for_each_kind():
+    from lab.models import tiny_llama
+    from lab.models import tiny_mamba2 as zoo_mamba2
+
+    torch.manual_seed(0)
+    mamba1 = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=2,
+                                          expand=2, use_mambapy=False))
+    models = {"llama": tiny_llama(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4),
+              "mamba2": zoo_mamba2(vocab_size=VOCAB, d_model=32, n_layers=2, head_dim=16), "mamba1": mamba1}
+    X = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    for name in ("llama", "mamba2", "mamba1"):
+        m = models[name]
+        A = attention(m, X[:1], 1)
+        H = {"llama": 4, "mamba2": 4, "mamba1": 32}[name]
+        assert A.shape == (1, H, 9, 9)
+        assert torch.all(A.triu(1) == 0)
+    torch.testing.assert_close(attention(models["llama"], X[:1], 0).sum(-1), torch.ones(1, 4, 9))
+    torch.testing.assert_close(attention(models["mamba2"], X[:1], 1), hidden_attention(models["mamba2"], X[:1], 1))

@@ -80,3 +80,103 @@ def test_skipping_every_block_leaves_the_embedding_alone(model):
 def test_layers_of_a_model_without_blocks_is_one_sentence():
     with pytest.raises(TypeError, match="no decoder blocks"):
         hooks.layers(nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------- head ablation (the G&A operator)
+
+def head_models():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    mamba1 = MambaForCausalLM(MambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=2,
+                                          expand=2, use_mambapy=False))
+    return {"llama": tiny_llama(vocab_size=V, d_model=32, n_layers=2, n_heads=4),
+            "mixtral": tiny_mixtral(vocab_size=V, d_model=32, n_layers=2, n_heads=4),
+            "mamba2": tiny_mamba2(vocab_size=V, d_model=32, n_layers=2, head_dim=16),
+            "mamba1": mamba1}
+
+
+MODELS = head_models()
+X9 = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def logits9(model):
+    with torch.no_grad():
+        return model(input_ids=X9, use_cache=False).logits
+
+
+def manual_zero_head(model, layer, heads):
+    """Zero the heads' slices of the output projection's *input* with a hook: the reference."""
+    H, d_head = hooks.head_shape(model, layer)
+
+    def hook(_, args):
+        (x,) = args
+        x = x.clone().view(*x.shape[:-1], H, d_head)
+        x[..., heads, :] = 0
+        return (x.view(*x.shape[:-2], H * d_head),)
+
+    return hooks.out_proj(model, layer).register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_head_shapes(name):
+    m = MODELS[name]
+    H, d_head = hooks.head_shape(m, 0)
+    assert H * d_head == hooks.out_proj(m, 0).in_features
+    assert {"llama": (4, 8), "mixtral": (4, 8), "mamba2": (4, 16), "mamba1": (32, 1)}[name] == (H, d_head)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ablation_equals_zeroing_the_heads_output(name):
+    m = MODELS[name].eval()
+    heads = [1, 2]
+    handle = manual_zero_head(m, 1, heads)
+    want = logits9(m)
+    handle.remove()
+    with hooks.ablate_heads(m, {1: heads}):
+        got = logits9(m)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, logits9(m))  # and it did change something
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_keep_and_remove_are_complements_and_restore_exactly(name):
+    m = MODELS[name]
+    W0 = {l: hooks.out_proj(m, l).weight.detach().clone() for l in (0, 1)}
+    heads = {0: [0], 1: [1, 3]}
+    with hooks.ablate_heads(m, heads):
+        removed = {l: hooks.out_proj(m, l).weight.detach().clone() for l in heads}
+    with hooks.ablate_heads(m, heads, keep=True):
+        kept = {l: hooks.out_proj(m, l).weight.detach().clone() for l in heads}
+    for l in heads:
+        assert torch.equal(removed[l] + kept[l], W0[l])  # complementary masks: exact inverse pair
+        assert torch.equal(hooks.out_proj(m, l).weight, W0[l])  # restored bit for bit
+    with pytest.raises(RuntimeError), hooks.ablate_heads(m, {1: [0]}):
+        raise RuntimeError("restored even on error")
+    assert torch.equal(hooks.out_proj(m, 1).weight, W0[1])
+    with pytest.raises(IndexError):
+        with hooks.ablate_heads(m, {0: [99]}):
+            pass
+
+
+def test_pruned_keeps_the_first_blocks_and_restores():
+    m = MODELS["llama"].eval()
+    full = logits9(m)
+    with hooks.pruned(m, keep_layers=1):
+        one = logits9(m)
+    # reference: the residual stream after the first block, then the final norm and the head
+    with torch.no_grad():
+        after_first = m.model(input_ids=X9, output_hidden_states=True, use_cache=False).hidden_states[1]
+        torch.testing.assert_close(one, m.lm_head(m.model.norm(after_first)))
+    assert not torch.allclose(one, full)
+    torch.testing.assert_close(logits9(m), full)  # restored
+    with hooks.pruned(m, skip=1):  # skipping the last block is the same as keeping the first
+        torch.testing.assert_close(logits9(m), one)
+
+
+def test_all_heads_silences_the_layer():
+    m = MODELS["mamba2"].eval()
+    H, _ = hooks.head_shape(m, 1)
+    assert hooks.all_heads(m, 1) == {1: list(range(H))}
+    with hooks.ablate_heads(m, hooks.all_heads(m, 1)):
+        assert hooks.out_proj(m, 1).weight.abs().sum() == 0

@@ -3,10 +3,9 @@ import copy
 import torch
 
 from lab.data.letters import LetterRetrieval
-from lab.interp import gather_aggregate as ga
-from lab.models import tiny_llama, tiny_mamba2
+from lab.models import hooks, tiny_llama, tiny_mamba2
 from lab.models.score import choice_logprobs
-from lab.widgets.heads import attention_figure, drop_figure, head_explorer, minmax
+from lab.widgets.heads import attention_figure, drop_figure, head_explorer, head_maps, minmax
 
 TASK = LetterRetrieval()
 EX = TASK.examples(40, torch.Generator().manual_seed(0))
@@ -49,7 +48,7 @@ def test_explorer_follows_its_controls_and_reports_the_ablation():
     torch.testing.assert_close(torch.tensor(box.figure.data[0].z), want)
     assert "L1H2: accuracy" in box.readout.value and "removed" not in box.readout.value
     base = evaluate(*models["transformer"])
-    W0 = ga.out_proj(models["transformer"][0], 1).weight.clone()
+    W0 = hooks.out_proj(models["transformer"][0], 1).weight.clone()
     c["ablate"].value = True
     cut_model = copy.deepcopy(models["transformer"][0])  # head 2 of layer 1 removed by hand: its 8 o_proj inputs
     with torch.no_grad():
@@ -58,7 +57,7 @@ def test_explorer_follows_its_controls_and_reports_the_ablation():
     assert cut != base  # the head matters to this model, so the readout must change
     assert box.accuracy[("transformer", 1, 2, True)] == cut
     assert f"accuracy {base:.3f} → <b>{cut:.3f}</b>" in box.readout.value
-    assert torch.equal(ga.out_proj(models["transformer"][0], 1).weight, W0)  # no ablation leaks
+    assert torch.equal(hooks.out_proj(models["transformer"][0], 1).weight, W0)  # no ablation leaks
     torch.testing.assert_close(torch.tensor(box.drop_fig.data[0].z), drops["transformer"])
     c["model"].value = "mamba2"  # an SSM: hidden attention, its own head count
     assert c["head"].max == 3 and torch.tensor(box.figure.data[0].z).shape == (T, T)
@@ -74,3 +73,11 @@ def test_precomputed_views():
     assert [b.args[0]["visible"] for b in fig.layout.updatemenus[0].buttons] == [[True, False], [False, True]]
     assert torch.equal(torch.tensor(drop_figure(torch.zeros(2, 3)).data[0].z), torch.zeros(2, 3))
     torch.testing.assert_close(minmax(torch.tensor([-1.0, 0.0, 3.0])), torch.tensor([0.0, 0.25, 1.0]))
+
+
+def test_head_maps_are_each_heads_map_on_one_prompt():
+    transformer = make()["transformer"][0]
+    maps, toks = head_maps(transformer, TASK.tokenizer, EX[1]["prompt"], [(1, 2), (0, 3), (1, 2)])
+    assert list(maps) == [(1, 2), (0, 3)] and toks == EX[1]["prompt"].split()
+    for layer, head in maps:
+        torch.testing.assert_close(maps[layer, head], attention_map(transformer, EX[1]["prompt"], layer, head))
