@@ -1,10 +1,11 @@
-"""`python -m lab run|list|report` — the runner users, tests and CI share.
+"""`python -m lab run|list|report|sweep|bench` — the runner users, tests and CI share.
 
     python -m lab run 00_tour                    # one notebook (stem, or slug: `tour`)
     python -m lab run all -p seed 3 --out /tmp/r  # every notebook, a parameter override, another folder
     python -m lab list                           # notebooks, their papers, last recorded status
     python -m lab report                         # re-render HTML + index from executed notebooks
     python -m lab sweep hps --seeds 0-9          # seeds and declared controls -> notebooks/results/11_hps.json
+    python -m lab bench NAME [options]           # a paper's benchmark (registered in lab.core.bench)
 
 `run` validates every parameter before any kernel starts (a bad value is one sentence on stderr,
 exit 2, nothing written), then for each notebook: papermill (kernel `python3`, cwd = the notebook's
@@ -257,24 +258,24 @@ def cmd_report(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """`bench floe`: the offload policies on the FloE toy, as ratios (and the CUDA kernels on a GPU)."""
+    """`bench NAME [--device D] [--seed S] [options]`: the benchmark a paper registers under NAME (its bench module
+    is listed in `lab.papers`), run at smoke scale after set-up; the options after NAME are the bench's own."""
+    import importlib
+
+    from lab.core import bench
     from lab.core.session import setup
+    from lab.papers import ALL
 
+    if args.name is None:
+        if args.help:
+            print(args.usage)
+            return 0
+        raise UsageError("bench takes the NAME of a paper's bench: python -m lab bench NAME [options].")
     P = setup("smoke", args.device, args.seed, "tiny", quiet=True)
-    if args.pcie <= 0:
-        raise UsageError(f"--pcie must be a positive bandwidth in GB/s, got {args.pcie}.")
-    from lab.moe.bench import floe_bench, report
-
-    print(report(floe_bench(P.seed, P.device, args.pcie), P.device))
-    if P.device == "cuda":
-        from kernels import floe as kf
-
-        print("kernels (ms, speedup vs the dense torch expert):", json.dumps(kf.bench(), indent=1, default=str))
-        from lab.moe.bench import h2d_bandwidth
-
-        print("pinned H2D GB/s by neurons per copy (compact (n, 2, H) chunk vs per-row copies):",
-              json.dumps(h2d_bandwidth(), indent=1))
-    return 0
+    for paper in ALL:
+        if paper.bench:
+            importlib.import_module(paper.bench)
+    return bench.get(args.name)(P, args.options + (["--help"] if args.help else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,12 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     lst.add_argument("--out", default="reports")
     rep = sub.add_parser("report", help="re-render HTML and the index from executed notebooks")
     rep.add_argument("--out", default="reports")
-    bench = sub.add_parser("bench", help="benchmarks: `bench floe` (offload policies as ratios)")
-    bench.add_argument("what", choices=["floe"])
+    bench = sub.add_parser("bench", help="a paper's benchmark, printed as ratios from one run", add_help=False,
+                           epilog="Options after NAME other than these are the bench's own: `bench NAME --help`.")
+    bench.add_argument("name", nargs="?", help="the bench a paper registers (lab.core.bench)")
+    bench.add_argument("-h", "--help", action="store_true", help="this help; after NAME, the bench's own options")
     bench.add_argument("--device", default="auto", help="auto | cpu | cuda")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--pcie", type=float, default=25.0, help="simulated host-to-device GB/s (CPU only)")
-    args = ap.parse_args(argv)
+    bench.set_defaults(usage=bench.format_help())
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.cmd != "bench":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.options = rest
     try:
         return {"run": cmd_run, "list": cmd_list, "report": cmd_report, "bench": cmd_bench,
                 "sweep": cmd_sweep}[args.cmd](args)

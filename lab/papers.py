@@ -18,6 +18,7 @@ class Paper:
     title: str
     authors: str = ""
     arxiv: str | None = None
+    bench: str = ""  # the module that registers the paper's `python -m lab bench` entry (lab.core.bench), if any
 
     @property
     def stem(self) -> str:
@@ -44,7 +45,7 @@ PAPERS: tuple[Paper, ...] = (
           "Changdae Oh, Zhen Fang, Shawn Im, Xuefeng Du, Yixuan Li", "2502.00577"),
     Paper(5, "floe", "FloE", "FloE: On-the-Fly MoE Inference on Memory-constrained GPU",
           "Yuxin Zhou*, Zheng Li*, Jun Zhang, Jue Wang, Yiping Wang, Zhongle Xie, Ke Chen, Lidan Shou",
-          "2505.05950"),
+          "2505.05950", bench="lab.moe.bench"),
     Paper(6, "hc_smoe", "HC-SMoE", "Retraining-Free Merging of Sparse MoE via Hierarchical Clustering",
           "I-Chun Chen, Hsu-Shen Liu, Wei-Fang Sun, Chen-Hao Chao, Yen-Chang Hsu, Chun-Yi Lee", "2410.08589"),
     Paper(7, "olica", "Olica", "Olica: Efficient Structured Pruning of Large Language Models without Retraining",

@@ -132,3 +132,40 @@ def test_resolve_and_parse(nbdir):
     assert len(resolve(["all"], nbdir)) == 3
     assert [parse_value(v) for v in ("3", "0.5", "True", "none", "smoke", "org/model")] == \
         [3, 0.5, True, None, "smoke", "org/model"]
+
+
+def test_bench_registry():
+    from lab.core import bench
+
+    calls = []
+    bench.register("_probe")(lambda P, argv: calls.append((P, argv)) or 3)
+    try:
+        assert "_probe" in bench.names() and bench.get("_probe")("params", ["--x", "1"]) == 3
+        assert calls == [("params", ["--x", "1"])]
+        with pytest.raises(bench.BenchError, match="no bench named 'nope'; known: .*_probe"):
+            bench.get("nope")
+    finally:
+        bench._BENCHES.pop("_probe")
+
+
+def test_bench_dispatch_names_no_paper(nbdir):
+    """`bench NAME` goes to the registry the paper modules fill (listed in lab.papers): the runner itself holds
+    no paper's name, and an unknown bench or option is one sentence."""
+    import ast
+    import re
+
+    from lab.papers import PAPERS
+
+    tree = ast.parse((ROOT / "lab" / "cli.py").read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, ast.Module | ast.FunctionDef | ast.ClassDef)
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    words = [n.value if isinstance(n, ast.Constant) else getattr(n, "id", getattr(n, "attr", ""))
+             for n in ast.walk(tree) if id(n) not in docs]  # identifiers and constants; docstrings hold examples
+    code = " ".join(map(str, words)).lower()
+    assert not [p.slug for p in PAPERS if re.search(rf"\b{p.slug}\b", code)]
+    assert any(p.bench for p in PAPERS)
+    proc = lab("bench", "nope", "--device", "cpu", nbdir=nbdir)
+    assert proc.returncode == 2 and "no bench named 'nope'" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = lab("list", "--bogus", nbdir=nbdir)
+    assert proc.returncode == 2 and "unrecognized arguments: --bogus" in proc.stderr

@@ -1,24 +1,39 @@
-"""`python -m lab bench floe`: the offload comparison in one run, printed as ratios.
+"""FloE on the toy Mixtral: the measurements notebook 05 shows, and `python -m lab bench floe`.
 
-Trains (or loads from the cache) the FloE notebook's toy Mixtral, then decodes held-out sequences under
-each offload policy and prints bytes/token, tokens/s (modelled on CPU by the device-tier simulator,
-measured with CUDA events on a GPU) and quality (decode loss; relative MoE-layer output error of the
-expert variant on teacher-forced inputs), with FP16 expert offload as the reference. On CUDA it also
-times the Triton kernels against the dense torch expert at Mixtral's shape (`kernels.floe.bench`).
+`toy` trains (or loads from the cache) `floe.Config`'s Mixtral on permutation chains; `toy_data` and
+`decode_seqs` draw its calibration, held-out and decoded sequences. The measurements: activations per
+(layer, expert), the sparsity sensitivity of Theorem 3.1 (Table 5), HQQ sensitivity per matrix (Table 7),
+the FloE expert against its baselines at equal sparsity, the trained inter-expert predictor (Sec. 3.3),
+the Triton kernels against the FloE expert, and the offload engine (Sec. 3.4): `Decoder` decodes held-out
+sequences under each policy and reports bytes/token, tokens/s (modelled on CPU by the device-tier
+simulator, measured with CUDA events on a GPU), misses, loss and one token's timeline.
+
+`floe_bench` runs the engine comparison in one go, with FP16 expert offload as the reference, and
+`report` prints it as ratios; on CUDA the bench also times the Triton kernels against the dense torch
+expert at Mixtral's shape (`kernels.floe.bench`) and pinned host-to-device copies (`links.h2d_bandwidth`).
 """
 
 from __future__ import annotations
 
-import time
+import argparse
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 
+from lab.core import bench
+from lab.core.params import Params
 from lab.data.chains import PermutationChains
-from lab.models import TrainConfig, fit
+from lab.models import TrainConfig, TrainResult, fit
 from lab.models.zoo import tiny_mixtral
+from lab.moe import blocks, links
 from lab.moe import floe as fl
-from lab.moe.offload import CudaLink, OffloadEngine, SimLink, TimeModel
+from lab.moe.links import MIXTRAL, CudaLink, SimLink, TimeModel
+from lab.moe.offload import OffloadEngine, plan
 
 POLICIES = {"FP16 on demand": ("fp16", {}), "INT2 on demand": ("int2", {}),
             "LRU FP16 k=2": ("lru-fp16", {"cache_k": 2}), "LRU INT2 k=2": ("lru-int2", {"cache_k": 2}),
@@ -26,86 +41,257 @@ POLICIES = {"FP16 on demand": ("fp16", {}), "INT2 on demand": ("int2", {}),
             "FloE k=0.9": ("floe", {"keep": 0.1})}
 
 
-def toy(seed: int = 0, device: str = "cpu", steps: int = 200):
-    """The notebook's trained toy Mixtral and its task."""
-    task = PermutationChains()
-    run = fit(lambda: tiny_mixtral(vocab_size=task.vocab_size, d_model=64, n_layers=4, n_heads=4, d_ff=192,
-                                   n_experts=8, top_k=2), task,
-              TrainConfig(steps=steps, batch_size=32, lr=3e-3, seed=seed), device=device, quiet=True)
-    return run.model.eval(), task
+def engine_policies(keep: float) -> dict[str, tuple[str, dict]]:
+    """The notebook's engine comparison: FP16 and INT2 experts on demand, LRU caches of 2 whole experts per
+    layer (FP16, INT2), FloE at `keep` and at keep 0.1."""
+    return {"FP16 on demand": ("fp16", {}), "INT2 on demand": ("int2", {}),
+            "LRU FP16, k=2": ("lru-fp16", {"cache_k": 2}), "LRU INT2, k=2": ("lru-int2", {"cache_k": 2}),
+            f"FloE keep {keep:.2g}": ("floe", {"keep": keep}), "FloE keep 0.1": ("floe", {"keep": 0.1})}
 
+
+# ------------------------------------------------------------------------------------------ the toy
+
+def toy(cfg: fl.Config, seed: int = 0, device: str = "cpu",
+        quiet: bool | None = None) -> tuple[PermutationChains, TrainResult, nn.Module]:
+    """The task, the training run (or cache hit) and the model in eval mode — under the `untrained` control
+    (`cfg.trained` False) a fresh initialisation of the same architecture, drawn after training."""
+    task = PermutationChains()
+    arch = cfg.arch(task.vocab_size)
+    run = fit(functools.partial(tiny_mixtral, **arch), task,
+              TrainConfig(steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr, seed=seed), device=device, quiet=quiet)
+    return task, run, (run.model if cfg.trained else tiny_mixtral(**arch).to(device)).eval()
+
+
+def toy_data(task: PermutationChains, n: int, seed: int = 0, device: str = "cpu") -> tuple[Tensor, dict[str, Tensor]]:
+    """Calibration input_ids (n, T) and a held-out batch (input_ids, labels), from one generator (1000 + seed)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    cal = task.batch(n, g)["input_ids"].to(device)
+    return cal, {key: v.to(device) for key, v in task.batch(n, g).items()}
+
+
+def decode_seqs(task: PermutationChains, n: int, seed: int = 0, device: str = "cpu") -> Tensor:
+    """n held-out sequences (n, T) for the offload engine (generator 5000 + seed)."""
+    return task.batch(n, torch.Generator().manual_seed(5000 + seed))["input_ids"].to(device)
+
+
+# ------------------------------------------------------------------------------------ measurements
+
+def expert_activations(model: nn.Module, xs: list[Tensor], layers: tuple[int, ...],
+                       experts: tuple[int, ...]) -> dict[tuple[int, int], dict[str, Tensor]]:
+    """`floe.activations` (Eqs. 3–4) of each (layer, expert) on the tokens of xs[layer] routed to that expert."""
+    mlps, out = blocks.moe_blocks(model), {}
+    for l in layers:
+        _, _, idx = blocks.route(mlps[l], xs[l])
+        for e in experts:
+            rows = (idx == e).any(-1)  # tokens routed to expert e
+            out[l, e] = fl.activations(xs[l][rows], *blocks.weights(mlps[l], e))
+    return out
+
+
+def sparsity_errors(model: nn.Module, xs_cal: list[Tensor], xs_ev: list[Tensor], ks: tuple[float, ...],
+                    control: str = "", seed: int = 0) -> dict[str, list[float]]:
+    """Theorem 3.1 / Table 5 measured: {on: [error at each k]} — S_t on a_on with per-expert thresholds from the
+    calibration inputs (Eq. 6), relative MoE-output error on the held-out inputs averaged over layers 1.. (layer 0
+    stays dense). Under `gate_for_up` the gate and up masks are exchanged; under `random_mask` they are random."""
+    out = {}
+    for on in fl.MATRICES:
+        src = fl.mask_source(on, control)
+        tt = fl.thresholds(model, xs_cal, ks, src)
+        out[on] = [blocks.layer_errors(model, xs_ev, fl.sparse_fn(model, tt[i], src, control, seed))[1:].mean().item()
+                   for i in range(len(ks))]
+    return out
+
+
+def quant_sensitivity(model: nn.Module, batch: dict[str, Tensor], xs: list[Tensor], bits: tuple[int, ...],
+                      base: float, group_size: int = 64) -> dict[tuple[str, int], dict[str, float]]:
+    """Table 7: {(matrix, bits): {loss, err}} — one matrix of every expert HQQ-quantized, the eval-loss increase
+    over `base` and the relative MoE-output error averaged over all layers."""
+    out = {}
+    for b in bits:
+        for mat in fl.MATRICES:
+            fn = fl.quant_fn(model, mat, b, group_size)
+            out[mat, b] = {"loss": blocks.eval_loss(model, batch, fn) - base,
+                           "err": blocks.layer_errors(model, xs, fn).mean().item()}
+    return out
+
+
+def expert_variants(model: nn.Module, xs_cal: list[Tensor], t_up: Tensor, k: float, experts: dict, control: str = "",
+                    seed: int = 0, nbits: int = 2, group_size: int = 64) -> dict[str, blocks.ExpertFn]:
+    """The FloE expert (Eq. 11) and its baselines at sparsity k: up sparsified alone, CATS (gate mask), a random
+    mask of the same size, and the whole expert in HQQ INT2 (what Mixtral-offloading moves)."""
+    return {"FloE (INT2 up + sparse)": fl.floe_fn(experts),
+            "up sparse only": fl.sparse_fn(model, t_up, fl.mask_source("up", control), control, seed),
+            "CATS (gate sparse)": fl.sparse_fn(model, fl.thresholds(model, xs_cal, k, "gate"), "gate"),
+            "random mask": fl.sparse_fn(model, t_up, "up", "random_mask", seed),
+            "HQQ INT2 expert": fl.quant_fn(model, fl.MATRICES, nbits, group_size)}
+
+
+def variant_quality(model: nn.Module, batch: dict[str, Tensor], xs: list[Tensor], variants: dict[str, blocks.ExpertFn],
+                    base: float, layers: tuple[int, ...]) -> dict[str, dict[str, float]]:
+    """{variant: {loss_pct, err}}: eval-loss increase (%) over `base` with the experts of `layers` replaced, and
+    the relative MoE-output error averaged over layers 1.. (in this order per variant: a random mask's generator
+    is drawn from by both)."""
+    out = {}
+    for name, fn in variants.items():
+        out[name] = {"loss_pct": 100 * (blocks.eval_loss(model, batch, fn, layers=layers) / base - 1),
+                     "err": blocks.layer_errors(model, xs, fn)[1:].mean().item()}
+    return out
+
+
+def trained_overlap(model: nn.Module, xs_cal: list[Tensor], xs_ev: list[Tensor], keep: float, int2: dict | None = None,
+                    *, epochs: int = 20, lr: float = 5e-4, batch: int = 2048, seed: int = 0) -> list[float]:
+    """The trained inter-expert predictor's top-k overlap for each layer i+1 on held-out inputs: trained on layer
+    i's calibration inputs against layer i+1's router logits (router-initialised Linear, `train_inter_predictor`)."""
+    mlps, out = blocks.moe_blocks(model), []
+    for i in range(len(xs_cal) - 1):
+        nxt = mlps[i + 1]
+        logits = blocks.route(nxt, xs_cal[i + 1])[0].detach()
+        net = fl.train_inter_predictor(xs_cal[i], logits, nxt.gate.weight.detach(), epochs=epochs, lr=lr, batch=batch,
+                                       seed=seed)
+        with torch.no_grad():
+            stats = fl.predictor_stats(model, xs_ev, keep, int2, router=lambda l, x0, net=net: net(x0))
+        out.append(stats[i]["inter"])
+    return out
+
+
+def kernel_errors(ex: fl.FloEExpert, x: Tensor) -> tuple[float, float]:
+    """Max |Δ| of the Triton kernels (`kernels.floe`) against the FloE expert on one token x (H,): the masked
+    gate·up and down GEMVs against its masked-dense output, the INT2 W_up GEMV against its a_up."""
+    from kernels import floe as kf  # on CPU, lab.core.setup has set TRITON_INTERPRET=1
+
+    a_up, mask = ex.mask(x[None])
+    h = kf.masked_gate_up(x.contiguous(), ex.Wg.contiguous(), a_up[0].contiguous(), mask[0].contiguous())
+    y = kf.masked_down(h, ex.Wd_t.contiguous(), mask[0].contiguous())
+    kernel_err = (y - ex(x[None])[0]).abs().max().item()
+    q = ex.Wq_up
+    a_up_kernel = kf.int2_gemv(x.contiguous(), q.packed, q.scale, q.zero, q.group_size, q.shape[1])
+    return kernel_err, (a_up_kernel - a_up[0]).abs().max().item()
+
+
+def mixtral_bytes_per_call() -> dict[str, float]:
+    """Host-to-device bytes per expert call at Mixtral-8x7B's shapes: ZeRO-3's whole MoE block (8 FP16 experts,
+    shown per call as 4), an FP16 expert, an HQQ INT2 expert (2.5 bits per weight with group-64 FP16 scale/zero),
+    and FloE's FP16 gate/down rows at k = 0.8 and 0.9."""
+    H, FF = MIXTRAL["H"], MIXTRAL["F"]
+    return {"ZeRO-3 MoE block (/2)": 8 * 3 * H * FF * 2 / 2, "FP16 expert": 3 * H * FF * 2,
+            "HQQ INT2 expert (g64)": 3 * H * FF * 2.5 / 8,
+            "FloE rows, k = 0.8": 2 * 0.2 * H * FF * 2, "FloE rows, k = 0.9": 2 * 0.1 * H * FF * 2}
+
+
+def equal_memory_k(resident: float, int2_bytes: float, n_layers: int, top_k: int = 2) -> int:
+    """LRU experts per layer holding about `resident` device bytes: `int2_bytes` is one token's on-demand INT2
+    bytes over `n_layers` offloaded layers (top_k whole experts each)."""
+    return max(1, round(resident / (n_layers * int2_bytes / (top_k * n_layers))))
+
+
+# ---------------------------------------------------------------------------------- the engine runs
+
+@dataclass(frozen=True, eq=False)
+class Decoder:
+    """Decodes held-out sequences with `OffloadEngine` (one engine and link per sequence): over CUDA on a GPU,
+    else over the simulator with Mixtral-equivalent bandwidths at `pcie_gbps`."""
+
+    model: nn.Module
+    seqs: Tensor  # (n, T)
+    device: str = "cpu"
+    pcie_gbps: float = 25.0
+    predictor: str = "router"  # "random" under FloE's `random_predictor` control
+    seed: int = 0
+
+    def link(self, gbps: float) -> SimLink:
+        if self.device == "cuda":
+            return CudaLink()
+        _, H, F_ = blocks.moe_blocks(self.model)[0].experts.down_proj.shape
+        return SimLink(TimeModel.mixtral_equivalent(H, F_, pcie=gbps * 1e9))
+
+    def decode(self, policy: str, kw: dict, gbps: float | None = None, n: int | None = None) -> dict:
+        """Loss, bytes/token, tokens/s, miss rate, device-resident expert bytes and the last token's spans of one
+        policy over the first n sequences (all by default)."""
+        out = {"nll": [], "bytes": [], "sec": [], "miss": 0, "calls": 0}
+        for s in self.seqs[:n]:
+            eng = OffloadEngine(self.model, policy, self.link(self.pcie_gbps if gbps is None else gbps),
+                                device=self.device, predictor=self.predictor, seed=self.seed, **kw)
+            logits, st = eng.run(s[None])
+            out["nll"].append(F.cross_entropy(logits[:-1].float(), s[1:]).item())
+            out["bytes"] += st.bytes
+            out["sec"] += st.seconds[1:]  # the first token includes warm-up on CUDA
+            out["miss"] += st.misses
+            out["calls"] += st.calls
+            t_last = st.seconds[-1]
+            out["spans"] = [sp for sp in eng.link.spans if sp.end >= eng.link.now() - t_last - 1e-12]
+            out["resident"] = st.resident_bytes
+        return {"loss": sum(out["nll"]) / len(out["nll"]), "bytes": sum(out["bytes"]) / len(out["bytes"]),
+                "tps": len(out["sec"]) / sum(out["sec"]), "miss": out["miss"] / max(1, out["calls"]),
+                "spans": out["spans"], "resident": out["resident"]}
+
+    def decode_all(self, policies: dict[str, tuple[str, dict]], gbps: float | None = None,
+                   n: int | None = None) -> dict[str, dict]:
+        return {name: self.decode(p, kw, gbps, n) for name, (p, kw) in policies.items()}
+
+    @torch.no_grad()
+    def dense_loss(self) -> float:
+        """Mean next-token loss of the model itself over the sequences (teacher-forced, no offload)."""
+        return sum(F.cross_entropy(self.model(input_ids=s[None]).logits[0, :-1], s[1:]).item()
+                   for s in self.seqs) / len(self.seqs)
+
+    def simulate(self, gbps: float, keep: float, budget_kb: float) -> dict[str, dict]:
+        """Each policy under one device budget for experts (beyond layer 0, `offload.plan`), one sequence;
+        a policy that does not fit is left out (the offload explorer's callback)."""
+        fit_ = plan(self.model, int(budget_kb * 1e3), keep)
+        runs = {"FP16 on demand": ("fp16", {})}
+        runs.update({name: (pol, fit_[pol]) for name, pol in (("LRU FP16", "lru-fp16"), ("LRU INT2", "lru-int2"),
+                                                              ("floe", "floe")) if fit_[pol] is not None})
+        return self.decode_all(runs, gbps, n=1)
+
+    def tps_by_bandwidth(self, policies: dict[str, tuple[str, dict]], bandwidths: tuple[float, ...]) -> dict:
+        """{policy: [tokens/s at each bandwidth]}, one sequence."""
+        return {name: [self.decode(p, kw, b, n=1)["tps"] for b in bandwidths] for name, (p, kw) in policies.items()}
+
+    def tps_by_budget(self, budgets_kb: tuple[float, ...], keep: float) -> dict[str, list]:
+        """{LRU FP16, LRU INT2, floe: [tokens/s under each device budget, None where it does not fit]}."""
+        out = {name: [] for name in ("LRU FP16", "LRU INT2", "floe")}
+        for b in budgets_kb:
+            res = self.simulate(self.pcie_gbps, keep, b)
+            for name in out:
+                out[name].append(res[name]["tps"] if name in res else None)
+        return out
+
+
+# ------------------------------------------------------------------------ `python -m lab bench floe`
 
 def floe_bench(seed: int = 0, device: str = "cpu", pcie_gbps: float = 25.0, n_seq: int = 2,
-               steps: int = 200) -> dict[str, dict]:
-    """{policy: {bytes, tps, loss, layer_error, miss}} on the toy, plus each ratio to FP16 on demand."""
-    model, task = toy(seed, device, steps)
-    g = torch.Generator().manual_seed(1000 + seed)
-    cal, ev = task.batch(64, g)["input_ids"].to(device), task.batch(64, g)["input_ids"].to(device)
-    xs_cal, xs_ev = fl.capture(model, cal), fl.capture(model, ev)
+               steps: int | None = None) -> dict[str, dict]:
+    """{policy: {bytes, tps, loss, layer_error, miss}} on the toy (smoke sizes, `steps` training steps), plus each
+    ratio to FP16 on demand."""
+    cfg = fl.Config.for_scale("smoke")
+    cfg = cfg if steps is None else dataclasses.replace(cfg, steps=steps)
+    task, _, model = toy(cfg, seed, device, quiet=True)
+    cal, ev = toy_data(task, cfg.n_seq, seed, device)
+    xs_cal, xs_ev = blocks.capture(model, cal), blocks.capture(model, ev["input_ids"])
     t_up = {keep: fl.thresholds(model, xs_cal, 1 - keep, "up") for keep in (0.2, 0.1)}
-    variant = {"fp16": lambda l, e, x: fl.expert_out(x, *fl.weights(fl.moe_blocks(model)[l], e)),
-               "int2": fl.quant_fn(model, fl.MATRICES, 2, 64)}
-    seqs = task.batch(n_seq, torch.Generator().manual_seed(5000 + seed))["input_ids"].to(device)
+    variant = {"fp16": blocks.dense_fn(model), "int2": fl.quant_fn(model, fl.MATRICES, 2, 64)}
+    dec = Decoder(model, decode_seqs(task, n_seq, seed, device), device, pcie_gbps)
     out = {}
     for name, (policy, kw) in POLICIES.items():
-        nll, nbytes, secs, miss, calls = [], [], [], 0, 0
-        for s in seqs:
-            tm = TimeModel.mixtral_equivalent(64, 192, pcie=pcie_gbps * 1e9)
-            link = CudaLink() if device == "cuda" else SimLink(tm)
-            logits, st = OffloadEngine(model, policy, link, device=device, **kw).run(s[None])
-            nll.append(F.cross_entropy(logits[:-1].float(), s[1:]).item())
-            nbytes += st.bytes
-            secs += st.seconds[1:]
-            miss, calls = miss + st.misses, calls + st.calls
+        r = dec.decode(policy, kw)
         if policy == "floe":
-            ex = fl.floe_experts(model, t_up[kw["keep"]])
-            fn = lambda l, e, x, ex=ex: ex[l, e](x)
+            fn = fl.floe_fn(fl.floe_experts(model, t_up[kw["keep"]]))
         else:
             fn = variant["fp16" if "fp16" in policy else "int2"]
-        out[name] = {"bytes": sum(nbytes) / len(nbytes), "tps": len(secs) / sum(secs), "loss": sum(nll) / len(nll),
-                     "layer_error": fl.layer_errors(model, xs_ev, fn)[1:].mean().item(), "miss": miss / max(1, calls)}
+        out[name] = {"bytes": r["bytes"], "tps": r["tps"], "loss": r["loss"],
+                     "layer_error": blocks.layer_errors(model, xs_ev, fn)[1:].mean().item(), "miss": r["miss"]}
     ref = out["FP16 on demand"]
     for r in out.values():
         r["bytes_vs_fp16"], r["speed_vs_fp16"] = ref["bytes"] / r["bytes"], r["tps"] / ref["tps"]
     return out
 
 
-def h2d_bandwidth(H: int = 4096, n_rows: tuple[int, ...] = (1, 10, 50, 200, 1000), device: str = "cuda",
-                  reps: int = 10) -> dict[str, dict[int, float]]:
-    """Host-to-device GB/s for n neurons' weights (gate row + down column, FP16) from pinned memory:
-    `compact` copies one contiguous (n, 2, H) chunk (FloE's co-located layout, Sec. 3.4.2), `per_row` copies
-    the 2n rows one by one (the naive layout FloE reports 12.6x over). On CPU it times host copies instead
-    (exercises the code; the numbers mean nothing for PCIe)."""
-    cuda = device == "cuda"
-    n_max = max(n_rows)
-    src = torch.randn(n_max, 2, H).half()
-    src = src.pin_memory() if cuda else src
-    dst = torch.empty(n_max, 2, H, dtype=torch.float16, device=device)
+def cuda_timings() -> tuple[dict, dict]:
+    """On a GPU: the Triton kernels against the dense torch expert at Mixtral's shape (ms, speedups), and pinned
+    host-to-device GB/s of compact row chunks against per-row copies."""
+    from kernels import floe as kf
 
-    def timed(fn) -> float:
-        fn()  # warm-up
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / reps
-
-    out = {"compact": {}, "per_row": {}}
-    for n in n_rows:
-        nbytes = n * 2 * H * 2
-        t = timed(lambda n=n: dst[:n].copy_(src[:n], non_blocking=cuda))
-        out["compact"][n] = nbytes / t / 1e9
-
-        def rows(n=n):
-            for j in range(n):
-                for half in range(2):
-                    dst[j, half].copy_(src[j, half], non_blocking=cuda)
-
-        out["per_row"][n] = nbytes / timed(rows) / 1e9
-    return out
+    return kf.bench(), links.h2d_bandwidth()
 
 
 def report(results: dict[str, dict], device: str) -> str:
@@ -117,3 +303,21 @@ def report(results: dict[str, dict], device: str) -> str:
         lines.append(f"{name:>16} {r['bytes'] / 1e3:9.1f} {r['bytes_vs_fp16']:8.1f}x {r['tps']:8.1f} "
                      f"{r['speed_vs_fp16']:7.1f}x {r['miss']:5.2f} {r['loss']:7.4f} {r['layer_error']:9.2e}")
     return "\n".join(lines)
+
+
+@bench.register("floe")
+def main(P: Params, argv: list[str]) -> int:
+    """`python -m lab bench floe [--device D] [--seed S] [--pcie GB/s]`: the offload policies on the FloE toy, as
+    ratios (and the CUDA kernels and pinned copies on a GPU); --device and --seed are the runner's."""
+    ap = argparse.ArgumentParser(prog="python -m lab bench floe", description=main.__doc__)
+    ap.add_argument("--pcie", type=float, default=25.0, help="simulated host-to-device GB/s (CPU only)")
+    args = ap.parse_args(argv)
+    if args.pcie <= 0:
+        raise bench.BenchError(f"--pcie must be a positive bandwidth in GB/s, got {args.pcie}.")
+    print(report(floe_bench(P.seed, P.device, args.pcie), P.device))
+    if P.device == "cuda":
+        kernels, h2d = cuda_timings()
+        print("kernels (ms, speedup vs the dense torch expert):", json.dumps(kernels, indent=1, default=str))
+        print("pinned H2D GB/s by neurons per copy (compact (n, 2, H) chunk vs per-row copies):",
+              json.dumps(h2d, indent=1))
+    return 0

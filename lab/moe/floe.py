@@ -12,24 +12,26 @@ the mask) is stored INT2 (HQQ, group 64). Predictors (Sec. 3.3): the next layer'
 current MoE input through the next layer's router (inter-expert), and the next layer's neurons as the
 top-|x W_up^{i+1,e}| with the resident INT2 W_up (intra-expert).
 
-Works on transformers 5.x fused experts: `layers[i].mlp.experts.gate_up_proj` (E, 2F, H) — gate is the
-first F rows, up the second — and `down_proj` (E, H, F); the router is `layers[i].mlp.gate`.
+The MoE plumbing (expert weights, router, block inputs, experts swapped for an `ExpertFn`) is
+`lab.moe.blocks`; the offload engine of Sec. 3.4 is `lab.moe.offload`; the toy's measurements and
+`python -m lab bench floe` are `lab.moe.bench`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F_
 from torch import Tensor, nn
 
 from lab.compress.quant import QTensor, fake_quantize, quantize
+from lab.core import params
+from lab.moe.blocks import ExpertFn, moe_blocks, route, weights
 
 MATRICES = ("gate", "up", "down")
 SILU_MIN = 0.2784645  # −min SiLU(z), the shift c of Theorem 3.1's exponential model
-ExpertFn = Callable[[int, int, Tensor], Tensor]  # (layer, expert, x (n, H)) -> expert output (n, H)
 
 CONTROLS = {  # the substitutions a skeptic would make; the notebook declares which claims each must break
     "random_mask": "every magnitude mask S_t (Eq. 5) replaced by a random mask keeping as many entries per token",
@@ -40,9 +42,59 @@ CONTROLS = {  # the substitutions a skeptic would make; the notebook declares wh
 
 
 def check_control(control: str) -> str:
-    if control and control not in CONTROLS:
-        raise ValueError(f"control={control!r} is unknown; use one of {', '.join(CONTROLS)}.")
-    return control
+    """`""` or one of FloE's `CONTROLS` (else one `ParamError` sentence naming them)."""
+    return params.check_control(control, CONTROLS)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every size of the notebook's toy: a Mixtral (4 layers, d = 64, 8 experts of width 192, top-2) trained on
+    permutation chains, its calibration and evaluation sequences, the sweeps, and the offload runs."""
+
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 192
+    n_experts: int = 8
+    top_k: int = 2
+    steps: int = 200  # training
+    batch_size: int = 32
+    lr: float = 3e-3
+    trained: bool = True  # False under the `untrained` control: the same model at its random initialisation
+    n_seq: int = 64  # calibration sequences, and as many evaluation sequences
+    shown: tuple[tuple[int, ...], tuple[int, ...]] = ((1, 2, 3), (0, 1, 2, 3))  # (layers, experts) of the histograms
+    ks: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)  # sparsities of the sensitivity sweep (Table 5)
+    pooled_k: float = 0.8  # sparsity of the one-threshold-per-layer comparison
+    lam_grid: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0, 7.0, 10.5, 15.0)  # Theorem 3.1's Monte Carlo over λ
+    paper_lam: float = 10.5  # the paper's fitted λ ≈ 10–11
+    paper_etas: tuple[float, ...] = (0.1, 0.2, 0.3)  # kept fractions at the paper's λ
+    quant_bits: tuple[int, ...] = (4, 3, 2, 1)  # Table 7
+    nbits: int = 2  # FloE's W_up
+    group_size: int = 64  # HQQ group
+    offloaded: tuple[int, ...] = (1, 2, 3)  # layers whose experts FloE replaces (layer 0 stays dense)
+    gather_tokens: int = 64  # tokens of the gathered-rows = masked-dense check
+    predictor_epochs: int = 10  # the development repo's trained inter-expert predictor
+    predictor_lr: float = 5e-4
+    predictor_batch: int = 256
+    predictor: str = "router"  # the offload engine's predictors; "random" under the `random_predictor` control
+    n_decode: int = 1  # sequences decoded by the offload engine
+    bandwidths: tuple[float, ...] = (6, 25, 100)  # GB/s of the bandwidth sweep
+    budgets_kb: tuple[float, ...] = (70, 140, 280, 700, 1400)  # device memory for experts beyond layer 0
+
+    @classmethod
+    def for_scale(cls, scale: str, control: str = "") -> Config:
+        """Sizes for `scale` ("smoke" | "full"); `control` switches what the `untrained` and `random_predictor`
+        controls change in the build (the other controls act on the masks, through `control=` arguments)."""
+        if scale not in params.SCALES:
+            raise ValueError(f"scale={scale!r} is unknown; use one of {', '.join(params.SCALES)}.")
+        sizes = {} if scale == "smoke" else dict(steps=1500, n_seq=256, predictor_epochs=20, n_decode=8)
+        return cls(**sizes, trained=check_control(control) != "untrained",
+                   predictor="random" if control == "random_predictor" else "router")
+
+    def arch(self, vocab_size: int) -> dict:
+        """`lab.models.zoo.tiny_mixtral` arguments."""
+        return dict(vocab_size=vocab_size, d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
+                    d_ff=self.d_ff, n_experts=self.n_experts, top_k=self.top_k)
 
 
 def mask_source(on: str, control: str = "") -> str:
@@ -56,18 +108,6 @@ def random_like(mask: Tensor, generator: torch.Generator) -> Tensor:
     """A random mask with as many kept entries per row as `mask` (the `random_mask` control)."""
     r = torch.rand(mask.shape, generator=generator, device=generator.device).to(mask.device)
     return r.argsort(-1).argsort(-1) < mask.sum(-1, keepdim=True)
-
-
-def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """The sparse-MoE block of every decoder layer (has `.gate` router and fused `.experts`)."""
-    return [layer.mlp for layer in model.model.layers]
-
-
-def weights(mlp: nn.Module, e: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Expert e's W_gate (F, H), W_up (F, H), W_down (H, F) — views of the fused parameters."""
-    F = mlp.experts.down_proj.shape[-1]
-    gu = mlp.experts.gate_up_proj[e]
-    return gu[:F], gu[F:], mlp.experts.down_proj[e]
 
 
 def activations(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor | None = None) -> dict[str, Tensor]:
@@ -98,37 +138,6 @@ def expert_out(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor, on: str | None = N
 
 
 @torch.no_grad()
-def capture(model: nn.Module, input_ids: Tensor) -> list[Tensor]:
-    """Teacher-forced MoE inputs of every layer, [(N, H)] with N = batch·T (post-attention-norm states)."""
-    xs, hooks = [], []
-    for mlp in moe_blocks(model):
-        hooks.append(mlp.register_forward_pre_hook(lambda _m, args: xs.append(args[0].reshape(-1, args[0].shape[-1]))))
-    try:
-        model(input_ids=input_ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return xs
-
-
-def route(mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Router logits (n, E), renormalised top-k weights (n, k) and expert indices (n, k)."""
-    return mlp.gate(x)
-
-
-def moe_out(mlp: nn.Module, x: Tensor, fn: Callable[[int, Tensor], Tensor], idx: Tensor | None = None,
-            w: Tensor | None = None) -> Tensor:
-    """Σ_e w_e · fn(e, x) over each token's routed experts (the MoE block's output, (n, H))."""
-    if idx is None:
-        _, w, idx = route(mlp, x)
-    y = torch.zeros_like(x)
-    for e in idx.unique().tolist():
-        tok, slot = torch.where(idx == e)
-        y.index_add_(0, tok, fn(e, x[tok]) * w[tok, slot, None])
-    return y
-
-
-@torch.no_grad()
 def thresholds(model: nn.Module, xs: list[Tensor], k: float | list[float], on: str = "up",
                per_expert: bool = True) -> Tensor:
     """t (L, E) for sparsity k — the k-quantile of |a_on| over the tokens routed to each expert (Eq. 6);
@@ -151,49 +160,6 @@ def _quantile(m: Tensor, ks: Tensor) -> Tensor:
     """min{t : F(t) ≥ k} of the empirical CDF F of m, for each k (Eq. 6's definition, no interpolation)."""
     s = m.sort().values
     return s[(ks * len(s)).ceil().long().clamp(1, len(s)) - 1]
-
-
-@torch.no_grad()
-def layer_errors(model: nn.Module, xs: list[Tensor], fn: ExpertFn) -> Tensor:
-    """Relative MoE-output error ||y_fn − y||² / ||y||² per layer (L,), same routing, teacher-forced inputs."""
-    out = []
-    for l, (mlp, x) in enumerate(zip(moe_blocks(model), xs)):
-        _, w, idx = route(mlp, x)
-        y = moe_out(mlp, x, lambda e, xe, mlp=mlp: expert_out(xe, *weights(mlp, e)), idx, w)
-        y_v = moe_out(mlp, x, lambda e, xe, l=l: fn(l, e, xe), idx, w)
-        out.append(((y_v - y).pow(2).sum() / y.pow(2).sum()).item())
-    return torch.tensor(out)
-
-
-class _Experts(nn.Module):
-    """Drop-in for `mlp.experts` (same forward signature) that computes each expert with `fn(e, x)`."""
-
-    def __init__(self, fn: Callable[[int, Tensor], Tensor], orig: nn.Module):
-        super().__init__()
-        self.fn, self.orig = fn, orig
-        self.gate_up_proj, self.down_proj = orig.gate_up_proj, orig.down_proj  # still readable by `weights`
-
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        y = torch.zeros_like(hidden_states)
-        for e in top_k_index.unique().tolist():
-            tok, slot = torch.where(top_k_index == e)
-            y.index_add_(0, tok, self.fn(e, hidden_states[tok]) * top_k_weights[tok, slot, None].to(y.dtype))
-        return y
-
-
-@contextlib.contextmanager
-def use_experts(model: nn.Module, fn: ExpertFn, layers: list[int] | None = None) -> Iterator[nn.Module]:
-    """Run `model` with the experts of `layers` (default all) computed by `fn(layer, e, x)`."""
-    blocks = moe_blocks(model)
-    layers = range(len(blocks)) if layers is None else layers
-    saved = {l: blocks[l].experts for l in layers}
-    try:
-        for l in layers:
-            blocks[l].experts = _Experts(lambda e, x, l=l: fn(l, e, x), saved[l])
-        yield model
-    finally:
-        for l, experts in saved.items():
-            blocks[l].experts = experts
 
 
 def sparse_fn(model: nn.Module, t: Tensor, on: str, control: str = "", seed: int = 0) -> ExpertFn:
@@ -270,14 +236,9 @@ def floe_experts(model: nn.Module, t: Tensor, nbits: int = 2, group_size: int = 
             for l, mlp in enumerate(moe_blocks(model)) for e in range(t.shape[1])}
 
 
-@torch.no_grad()
-def eval_loss(model: nn.Module, batch: dict[str, Tensor], fn: ExpertFn | None = None,
-              layers: list[int] | None = None) -> float:
-    """Mean next-token loss on `batch`, with the experts of `layers` replaced by `fn` when given."""
-    if fn is None:
-        return model(**batch).loss.item()
-    with use_experts(model, fn, layers):
-        return model(**batch).loss.item()
+def floe_fn(experts: dict[tuple[int, int], FloEExpert]) -> ExpertFn:
+    """The FloE experts (masked-dense form) as an `ExpertFn`."""
+    return lambda l, e, x: experts[l, e](x)
 
 
 def fit_shifted_exponential(a_gate: Tensor) -> tuple[float, float]:

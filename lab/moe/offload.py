@@ -15,18 +15,12 @@ Policies (FloE Sec. 3.4 and the baselines it compares with, per decoded token an
            layer i+1's prefetch is issued before layer i's misrouted experts are reloaded, so on one FIFO copy
            engine a reload waits behind the prefetch (visible in the timeline).
 
-`control="random_predictor"` (FloE's notebook control) replaces both predictors by random ones: the
+`predictor="random"` replaces both predictors by random ones (FloE's `random_predictor` control): the
 prefetched experts are a random top-k and every kept-neuron set a random `keep`·F rows (seeded).
 
 Layers in `resident` keep their experts dense on the device (FloE's GPU-resident layers). Each token is
-decoded one at a time with the model's KV cache (prefill is decoded token by token too).
-
-One code path runs everywhere; only the copy/stream layer (`Link`) differs. `SimLink` (CPU, CI) copies
-host tensors and models time: a copy takes latency + bytes / PCIe bandwidth on one FIFO link, a layer's
-compute takes (bytes of weights it reads) / device-memory bandwidth (decode is memory-bound), and a
-layer starts when its data has arrived. `CudaLink` copies pinned host tensors on a side CUDA stream
-(non_blocking) and times copies and compute with CUDA events. `TimeModel.mixtral_equivalent` scales both
-bandwidths by (toy expert size / Mixtral expert size), so a toy timeline has Mixtral's proportions.
+decoded one at a time with the model's KV cache (prefill is decoded token by token too). The copies and
+the clock are the link's (`lab.moe.links`: `SimLink` models time on CPU, `CudaLink` measures it).
 """
 
 from __future__ import annotations
@@ -40,135 +34,12 @@ import torch.nn.functional as F_
 from torch import Tensor, nn
 
 from lab.compress.quant import QTensor, quantize
-from lab.moe.floe import check_control, moe_blocks, route, weights
+from lab.models import hooks
+from lab.moe.blocks import expert, moe_blocks, route, weights
+from lab.moe.links import SimLink
 
 POLICIES = ("fp16", "int2", "lru-fp16", "lru-int2", "floe")
-MIXTRAL = {"H": 4096, "F": 14336, "L": 32, "E": 8, "top_k": 2}
-
-
-@dataclass(frozen=True)
-class TimeModel:
-    pcie: float = 25e9  # host->device bytes/s (PCIe 4.0 x16 effective, FloE: 88% of peak)
-    hbm: float = 936e9  # device memory bytes/s (RTX 3090)
-    latency: float = 10e-6  # per copy
-    scale: float = 1.0  # multiplies both bandwidths
-
-    def transfer(self, nbytes: int) -> float:
-        return self.latency + nbytes / (self.pcie * self.scale)
-
-    def compute(self, nbytes: int) -> float:
-        return nbytes / (self.hbm * self.scale)
-
-    @classmethod
-    def mixtral_equivalent(cls, H: int, F: int, **kw) -> TimeModel:
-        """Bandwidths scaled by H·F / (4096·14336): a toy expert moves and computes in Mixtral's proportions."""
-        return cls(scale=H * F / (MIXTRAL["H"] * MIXTRAL["F"]), **kw)
-
-
-@dataclass
-class Span:
-    lane: str  # "compute" | "transfer"
-    layer: int
-    start: float
-    end: float
-    what: str
-
-
-class SimLink:
-    """Device-tier simulator: 'device' tensors are host copies; time is modelled by a TimeModel."""
-
-    def __init__(self, tm: TimeModel):
-        self.tm, self.t, self.link_free, self.spans = tm, 0.0, 0.0, []
-
-    def to_host(self, x: Tensor) -> Tensor:
-        return x.contiguous()
-
-    def gather(self, host: Tensor, idx: Tensor) -> Tensor:
-        return host[idx.cpu()]
-
-    def copy(self, x: Tensor, layer: int, what: str) -> tuple[Tensor, float]:
-        start = max(self.t, self.link_free)
-        self.link_free = start + self.tm.transfer(x.numel() * x.element_size())
-        self.spans.append(Span("transfer", layer, start, self.link_free, what))
-        return x.clone(), self.link_free
-
-    def wait(self, ready: float) -> None:
-        self.t = max(self.t, ready)
-
-    def compute(self, layer: int, nbytes: int, fn, what: str = "layer"):
-        start, out = self.t, fn()
-        self.t += self.tm.compute(nbytes)
-        self.spans.append(Span("compute", layer, start, self.t, what))
-        return out
-
-    def now(self) -> float:
-        return self.t
-
-
-class CudaLink(SimLink):
-    """Real H2D copies from pinned host memory on a side stream; CUDA events time copies and compute."""
-
-    def __init__(self, device: str = "cuda"):
-        super().__init__(TimeModel())
-        self.device, self.stream = device, torch.cuda.Stream(device)
-        self.t0 = torch.cuda.Event(enable_timing=True)
-        self.t0.record()
-        self._events: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event, str]] = []
-        self._ring: list[list] = [[None, None] for _ in range(8)]  # [pinned buffer, copy-done event]
-        self._next, self._pending = 0, None
-
-    def to_host(self, x: Tensor) -> Tensor:
-        return x.detach().cpu().contiguous().pin_memory()
-
-    def gather(self, host: Tensor, idx: Tensor) -> Tensor:
-        """Gather rows into a pinned staging buffer (a ring, reused once its previous copy has finished)."""
-        n = len(idx)
-        slot = self._ring[self._next % len(self._ring)]
-        self._next += 1
-        if slot[1] is not None:
-            slot[1].synchronize()
-        if slot[0] is None or slot[0].shape[0] < n or slot[0].shape[1:] != host.shape[1:]:
-            slot[0] = torch.empty((max(n, 1),) + tuple(host.shape[1:]), dtype=host.dtype).pin_memory()
-        out = slot[0][:n]
-        torch.index_select(host, 0, idx.cpu(), out=out)
-        self._pending = slot
-        return out
-
-    def _span(self, lane, layer, what):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._events.append((lane, layer, a, b, what))
-        return a, b
-
-    def copy(self, x: Tensor, layer: int, what: str) -> tuple[Tensor, torch.cuda.Event]:
-        a, b = self._span("transfer", layer, what)
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            a.record()
-            y = x.to(self.device, non_blocking=True)
-            b.record()
-        if self._pending is not None and x.data_ptr() == self._pending[0].data_ptr():
-            self._pending[1], self._pending = b, None
-        y.record_stream(torch.cuda.current_stream())
-        return y, b
-
-    def wait(self, ready) -> None:
-        torch.cuda.current_stream().wait_event(ready)
-
-    def compute(self, layer: int, nbytes: int, fn, what: str = "layer"):
-        a, b = self._span("compute", layer, what)
-        a.record()
-        out = fn()
-        b.record()
-        return out
-
-    def now(self) -> float:
-        torch.cuda.synchronize()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        torch.cuda.synchronize()
-        self.spans = [Span(l, i, self.t0.elapsed_time(a) / 1e3, self.t0.elapsed_time(b) / 1e3, w)
-                      for l, i, a, b, w in self._events]
-        return self.t0.elapsed_time(e) / 1e3
+PREDICTORS = ("router", "random")  # FloE's next-layer predictors, or random ones (a control)
 
 
 @dataclass
@@ -184,11 +55,13 @@ class OffloadEngine:
     """Decode `model` token by token with its offloaded MoE layers served by `policy` over `link`."""
 
     def __init__(self, model: nn.Module, policy: str, link: SimLink, *, keep: float = 0.2, cache_k: int = 2,
-                 resident: tuple[int, ...] = (0,), group_size: int = 64, device: str = "cpu", control: str = "",
-                 seed: int = 0):
+                 resident: tuple[int, ...] = (0,), group_size: int = 64, device: str = "cpu",
+                 predictor: str = "router", seed: int = 0):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is unknown; use one of {', '.join(POLICIES)}.")
-        self.random = torch.Generator().manual_seed(seed) if check_control(control) == "random_predictor" else None
+        if predictor not in PREDICTORS:
+            raise ValueError(f"predictor={predictor!r} is unknown; use one of {', '.join(PREDICTORS)}.")
+        self.random = torch.Generator().manual_seed(seed) if predictor == "random" else None
         self.model, self.policy, self.link, self.device = model, policy, link, device
         self.blocks = moe_blocks(model)
         self.L, (self.E, self.H, self.F) = len(self.blocks), self.blocks[0].experts.down_proj.shape
@@ -293,7 +166,7 @@ class OffloadEngine:
         if l in self.resident:
             W = [weights(self.blocks[l], e) for e in top_k_index[0].tolist()]
             nbytes = 2 * sum(w.numel() for ws in W for w in ws)
-            return self.link.compute(l, nbytes, lambda: sum(_expert(x, *w) * top_k_weights[0, s]
+            return self.link.compute(l, nbytes, lambda: sum(expert(x, *w) * top_k_weights[0, s]
                                                             for s, w in enumerate(W)), "dense")
         experts = top_k_index[0].tolist()
         y = torch.zeros_like(x)
@@ -312,7 +185,7 @@ class OffloadEngine:
             else:
                 Wg, Wu, Wd_t = self._whole(l, e)
                 nbytes = self.expert_bytes()
-                out = self.link.compute(l, nbytes, lambda g=Wg, u=Wu, d=Wd_t: _expert(x, g, u, d.T), f"expert {e}")
+                out = self.link.compute(l, nbytes, lambda g=Wg, u=Wu, d=Wd_t: expert(x, g, u, d.T), f"expert {e}")
             y += out * top_k_weights[0, slot]
         self.prefetched.pop(l, None)
         return y
@@ -320,10 +193,8 @@ class OffloadEngine:
     @torch.no_grad()
     def run(self, input_ids: Tensor) -> tuple[Tensor, Stats]:
         """Decode input_ids (1, T) one token at a time; return the logits (T, V) and the statistics."""
-        saved = [b.experts for b in self.blocks]
-        for l, b in enumerate(self.blocks):
-            b.experts = _Served(self, l, saved[l])
-        try:
+        served = {hooks.name_of(self.model, b.experts): _Served(self, l, b.experts) for l, b in enumerate(self.blocks)}
+        with hooks.swap(self.model, served):
             past, logits = None, []
             for t in range(input_ids.shape[1]):
                 self.stats.bytes.append(0)
@@ -332,9 +203,6 @@ class OffloadEngine:
                 past = out.cache
                 logits.append(out.logits[0, -1])
                 self.stats.seconds.append(self.link.now() - t0)
-        finally:
-            for b, ex in zip(self.blocks, saved):
-                b.experts = ex
         return torch.stack(logits), self.stats
 
 
@@ -349,8 +217,8 @@ def plan(model: nn.Module, budget: int, keep: float = 0.2, group_size: int = 64)
     fp16_layer = E * 3 * H * F * 2
     n_keep = max(1, round(keep * F))
     out = {}
-    for policy, expert in (("lru-fp16", 3 * H * F * 2), ("lru-int2", 3 * int2_matrix)):
-        out[policy] = {"cache_k": int(min(E, budget // ((L - 1) * expert)))}
+    for policy, whole in (("lru-fp16", 3 * H * F * 2), ("lru-int2", 3 * int2_matrix)):
+        out[policy] = {"cache_k": int(min(E, budget // ((L - 1) * whole)))}
     out["floe"] = None
     for r in range(L):  # layers 0..r resident
         off = L - 1 - r
@@ -358,11 +226,6 @@ def plan(model: nn.Module, budget: int, keep: float = 0.2, group_size: int = 64)
         if cost <= budget:
             out["floe"] = {"keep": keep, "resident": tuple(range(r + 1))}
     return out
-
-
-def _expert(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor) -> Tensor:
-    """Dense expert (Eq. 1): x (1, H), W_gate/W_up (F, H), W_down (H, F)."""
-    return (F_.silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T
 
 
 def _sparse_expert(x: Tensor, rows: Tensor, Wu_kept: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import plotly.graph_objects as go
 import torch
 
-from lab.moe.offload import Span
+from lab.moe.links import Span
 from lab.widgets.figures import show_in
 
 COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D"]

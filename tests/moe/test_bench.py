@@ -1,11 +1,20 @@
-"""`python -m lab bench floe`: the ratios it prints are the engine's, and bad input is one sentence."""
+"""`python -m lab bench floe`: the ratios it prints are the engine's, bad input is one sentence; and the toy's
+measurements notebook 05 shows, against references."""
 
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-from lab.moe.bench import POLICIES, floe_bench, h2d_bandwidth, report
+from lab.data.chains import PermutationChains
+from lab.moe import bench as fb
+from lab.moe import blocks
+from lab.moe import floe as fl
+from lab.moe.bench import POLICIES, floe_bench, report
+from lab.moe.links import SimLink, TimeModel
+from lab.moe.offload import OffloadEngine
 
 from ..conftest import ROOT
 
@@ -49,7 +58,133 @@ def test_bench_bad_input_is_one_sentence():
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--pcie" in r.stderr
 
 
-def test_h2d_bandwidth_runs_on_cpu():
-    bw = h2d_bandwidth(H=64, n_rows=(1, 8), device="cpu", reps=2)
-    assert set(bw) == {"compact", "per_row"} and all(v > 0 for d in bw.values() for v in d.values())
-    assert list(bw["compact"]) == [1, 8]
+# ------------------------------------------------------------------ the notebook's measurements (lab.moe.bench)
+
+def test_toy_data_draws_calibration_then_evaluation():
+    task = PermutationChains(length=8)
+    cal, ev = fb.toy_data(task, 3, seed=2)
+    g = torch.Generator().manual_seed(1002)
+    assert torch.equal(cal, task.batch(3, g)["input_ids"])
+    ref = task.batch(3, g)
+    assert set(ev) == {"input_ids", "labels"} and all(torch.equal(ev[key], ref[key]) for key in ref)
+    assert torch.equal(fb.decode_seqs(task, 2, seed=2), task.batch(2, torch.Generator().manual_seed(5002))["input_ids"])
+
+
+def test_expert_activations_by_token(model, xs):
+    acts = fb.expert_activations(model, xs, (1, 2), (0, 3))
+    assert list(acts) == [(1, 0), (1, 3), (2, 0), (2, 3)]
+    mlp = blocks.moe_blocks(model)[2]
+    Wg, Wu, _ = blocks.weights(mlp, 3)
+    _, _, idx = blocks.route(mlp, xs[2])
+    routed = [t for t in range(len(xs[2])) if 3 in idx[t].tolist()]  # the tokens sent to expert 3, one by one
+    assert acts[2, 3]["up"].shape == (len(routed), 48)
+    for row, t in enumerate(routed):
+        x = xs[2][t]
+        assert torch.allclose(acts[2, 3]["gate"][row], F.silu(Wg @ x), atol=1e-6)
+        assert torch.allclose(acts[2, 3]["down"][row], F.silu(Wg @ x) * (Wu @ x), atol=1e-6)
+
+
+def test_sparsity_errors(model, xs):
+    """Nothing dropped at k = 0 (the threshold is the smallest |a|): zero error; the magnitude mask orders the
+    activations (down least), a random mask of the same size loses that order and costs more."""
+    zero = fb.sparsity_errors(model, xs, xs, (0.0,))
+    assert all(v == [0.0] for v in zero.values())
+    err = fb.sparsity_errors(model, xs, xs, (0.5, 0.8))
+    assert all(len(v) == 2 and v[0] < v[1] for v in err.values())
+    assert err["down"][1] < 0.7 * err["up"][1]
+    rnd = fb.sparsity_errors(model, xs, xs, (0.8,), control="random_mask")
+    assert all(rnd[on][0] > 2 * err[on][1] for on in fl.MATRICES)
+    swapped = fb.sparsity_errors(model, xs, xs, (0.8,), control="gate_for_up")
+    assert swapped["up"][0] == pytest.approx(err["gate"][1]) and swapped["gate"][0] == pytest.approx(err["up"][1])
+
+
+def test_quant_sensitivity(model, xs):
+    ids = torch.randint(40, (2, 16), generator=torch.Generator().manual_seed(4))
+    batch = {"input_ids": ids, "labels": ids}
+    base = blocks.eval_loss(model, batch)
+    qs = fb.quant_sensitivity(model, batch, xs, (8, 1), base, group_size=16)
+    assert list(qs) == [(m, b) for b in (8, 1) for m in fl.MATRICES]
+    assert all(qs[m, 8]["err"] < 1e-3 and abs(qs[m, 8]["loss"]) < 1e-3 for m in fl.MATRICES)  # 8 bits: almost exact
+    assert all(qs[m, 1]["err"] > 100 * qs[m, 8]["err"] for m in fl.MATRICES)
+
+
+def test_variant_quality_closed_forms(model, xs):
+    """The dense experts cost nothing; zero experts give relative error exactly 1 (||0 − y||² / ||y||²)."""
+    ids = torch.randint(40, (2, 16), generator=torch.Generator().manual_seed(4))
+    batch = {"input_ids": ids, "labels": ids}
+    base = blocks.eval_loss(model, batch)
+    q = fb.variant_quality(model, batch, xs, {"dense": blocks.dense_fn(model),
+                                              "zero": lambda l, e, x: torch.zeros_like(x)}, base, (1, 2))
+    assert q["dense"]["err"] == 0.0 and q["dense"]["loss_pct"] == pytest.approx(0.0, abs=1e-4)
+    assert q["zero"]["err"] == pytest.approx(1.0) and q["zero"]["loss_pct"] != pytest.approx(0.0)
+    t_up = fl.thresholds(model, xs, 0.75, "up")
+    variants = fb.expert_variants(model, xs, t_up, 0.75, fl.floe_experts(model, t_up, group_size=16), group_size=16)
+    assert list(variants) == ["FloE (INT2 up + sparse)", "up sparse only", "CATS (gate sparse)", "random mask",
+                              "HQQ INT2 expert"]
+    assert torch.equal(variants["up sparse only"](1, 2, xs[1]), fl.sparse_fn(model, t_up, "up")(1, 2, xs[1]))
+
+
+def test_trained_overlap_without_training_is_the_next_router(model, xs):
+    """With no epoch the predictor is the next layer's router (its initialisation): router reuse's overlap."""
+    got = fb.trained_overlap(model, xs, xs, 0.25, epochs=0, seed=0)
+    assert got == [s["inter"] for s in fl.predictor_stats(model, xs, 0.25)]
+    trained = fb.trained_overlap(model, xs, xs, 0.25, epochs=20, lr=1e-2, batch=16)
+    assert len(trained) == 2 and all(0 <= v <= 1 for v in trained)
+
+
+def test_kernel_errors_are_small(model, xs):
+    ex = fl.floe_experts(model, fl.thresholds(model, xs, 0.8, "up"), group_size=16)[1, 0]
+    kernel_err, up_err = fb.kernel_errors(ex, xs[1][0])
+    assert 0 <= kernel_err < 1e-4 and 0 <= up_err < 1e-4
+
+
+def test_mixtral_arithmetic_and_equal_memory():
+    per_call = fb.mixtral_bytes_per_call()
+    assert per_call["FP16 expert"] == 3 * 4096 * 14336 * 2 == pytest.approx(352.3e6, rel=1e-3)  # "352 MB"
+    assert per_call["HQQ INT2 expert (g64)"] == per_call["FP16 expert"] * 2.5 / 16
+    assert per_call["ZeRO-3 MoE block (/2)"] == 4 * per_call["FP16 expert"]
+    assert per_call["FloE rows, k = 0.8"] == pytest.approx(0.2 * 2 / 3 * per_call["FP16 expert"])
+    # FloE holds 600 B; a token moves 6 INT2 experts of 50 B over 3 layers: 600 / (3 · 50) = 4 experts per layer
+    assert fb.equal_memory_k(600, 300, 3) == 4 and fb.equal_memory_k(1, 300, 3) == 1
+
+
+def test_engine_policies_names():
+    pols = fb.engine_policies(1 - 0.8)
+    assert list(pols) == ["FP16 on demand", "INT2 on demand", "LRU FP16, k=2", "LRU INT2, k=2", "FloE keep 0.2",
+                          "FloE keep 0.1"]
+    assert pols["FloE keep 0.2"] == ("floe", {"keep": 1 - 0.8})
+
+
+def test_decoder_against_the_engine(model):
+    """One policy decoded by hand with the engine: loss, bytes/token, tokens/s (first token left out), misses."""
+    seqs = torch.randint(40, (2, 10), generator=torch.Generator().manual_seed(6))
+    dec = fb.Decoder(model, seqs, pcie_gbps=12.0)
+    got = dec.decode("floe", {"keep": 0.25})
+    nll, nbytes, secs, miss, calls = [], [], [], 0, 0
+    for s in seqs:
+        logits, st = OffloadEngine(model, "floe", SimLink(TimeModel.mixtral_equivalent(32, 48, pcie=12e9)),
+                                   keep=0.25).run(s[None])
+        nll.append(F.cross_entropy(logits[:-1], s[1:]).item())
+        nbytes, secs, miss, calls = nbytes + st.bytes, secs + st.seconds[1:], miss + st.misses, calls + st.calls
+    assert got["loss"] == pytest.approx(sum(nll) / 2) and got["bytes"] == pytest.approx(sum(nbytes) / len(nbytes))
+    assert got["tps"] == pytest.approx(len(secs) / sum(secs)) and got["miss"] == pytest.approx(miss / calls)
+    assert got["spans"] and min(s.start for s in got["spans"]) > 0  # the last token only
+    with torch.no_grad():
+        dense = [F.cross_entropy(model(input_ids=s[None]).logits[0, :-1], s[1:]).item() for s in seqs]
+    assert dec.dense_loss() == pytest.approx(sum(dense) / 2)
+    slow = dec.decode("fp16", {}, gbps=1.0, n=1)
+    assert slow["tps"] < dec.decode("fp16", {}, n=1)["tps"]
+    rnd = fb.Decoder(model, seqs, predictor="random").decode("floe", {"keep": 0.25})
+    assert rnd["miss"] > got["miss"]
+
+
+def test_decoder_budgets(model):
+    """Under a budget too small for FloE's INT2 W_up only FP16 on demand and the (empty) LRU caches run."""
+    dec = fb.Decoder(model, torch.randint(40, (1, 6), generator=torch.Generator().manual_seed(7)))
+    small = dec.simulate(25.0, 0.25, 10)
+    assert "floe" not in small and set(small) == {"FP16 on demand", "LRU FP16", "LRU INT2"}
+    assert "floe" in dec.simulate(25.0, 0.25, 1e6)
+    by = dec.tps_by_budget((10, 1e6), 0.25)
+    assert by["floe"][0] is None and by["floe"][1] > 0 and len(by["LRU FP16"]) == 2
+    bw = dec.tps_by_bandwidth({"fp16": ("fp16", {})}, (1.0, 100.0))
+    assert bw["fp16"][0] < bw["fp16"][1]

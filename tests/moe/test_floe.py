@@ -1,41 +1,14 @@
-"""FloE pieces against references: the fused-expert views, Eq. 5/6, the FloE expert's two forms, predictors."""
+"""FloE pieces against references: Eq. 5/6, the FloE expert's two forms, quantization, predictors, controls."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lab.models.zoo import tiny_mixtral
+from lab.moe import blocks
 from lab.moe import floe as fl
-from lab.moe.offload import OffloadEngine, SimLink, TimeModel
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return tiny_mixtral(vocab_size=40, d_model=32, n_layers=3, n_heads=4, d_ff=48, n_experts=4).eval()
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return torch.randint(40, (4, 16), generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture(scope="module")
-def xs(model, ids):
-    return fl.capture(model, ids)
-
-
-def test_capture_shapes(model, xs):
-    assert len(xs) == 3 and all(x.shape == (64, 32) for x in xs)
-
-
-def test_weight_views_reproduce_the_moe_block(model, xs):
-    """Σ_e w_e · expert_out(e) with our gate/up/down views equals transformers' fused MoE block."""
-    mlp = fl.moe_blocks(model)[1]
-    ours = fl.moe_out(mlp, xs[1], lambda e, x: fl.expert_out(x, *fl.weights(mlp, e)))
-    with torch.no_grad():
-        ref = mlp(xs[1][None])[0]
-    assert torch.allclose(ours, ref, atol=1e-6)
+from lab.moe.links import SimLink, TimeModel
+from lab.moe.offload import OffloadEngine
 
 
 def test_sparsifier_and_variants():
@@ -66,25 +39,15 @@ def test_quantile_is_eq6():
 def test_thresholds_per_expert_reach_the_target_sparsity(model, xs):
     t = fl.thresholds(model, xs, 0.8, "up")
     assert t.shape == (3, 4)
-    for l, (mlp, x) in enumerate(zip(fl.moe_blocks(model), xs)):
-        _, _, idx = fl.route(mlp, x)
+    for l, (mlp, x) in enumerate(zip(blocks.moe_blocks(model), xs)):
+        _, _, idx = blocks.route(mlp, x)
         for e in range(4):
-            a = fl.activations(x[(idx == e).any(-1)], *fl.weights(mlp, e))["up"].abs()
+            a = fl.activations(x[(idx == e).any(-1)], *blocks.weights(mlp, e))["up"].abs()
             assert (a < t[l, e]).float().mean() == pytest.approx(0.8, abs=0.01)
     many = fl.thresholds(model, xs, [0.5, 0.8], "gate")
     assert many.shape == (2, 3, 4) and (many[1] >= many[0]).all()
     pooled = fl.thresholds(model, xs, 0.8, "up", per_expert=False)
     assert (pooled == pooled[:, :1]).all()
-
-
-def test_use_experts_swaps_and_restores(model, ids):
-    batch = {"input_ids": ids, "labels": ids}
-    base = fl.eval_loss(model, batch)
-    dense = lambda l, e, x: fl.expert_out(x, *fl.weights(fl.moe_blocks(model)[l], e))
-    assert fl.eval_loss(model, batch, dense) == pytest.approx(base, abs=1e-5)
-    assert fl.eval_loss(model, batch, lambda l, e, x: torch.zeros_like(x), layers=[1]) != pytest.approx(base)
-    assert fl.eval_loss(model, batch) == base
-    assert fl.layer_errors(model, fl.capture(model, ids), dense).abs().max() < 1e-10
 
 
 def test_quant_fn_changes_only_its_matrix(model, xs, monkeypatch):
@@ -104,7 +67,7 @@ def test_quant_fn_changes_only_its_matrix(model, xs, monkeypatch):
             for e in range(4):
                 seen.clear()
                 fn(l, e, xs[l][:2])
-                for name, used, orig in zip(fl.MATRICES, seen["W"], fl.weights(fl.moe_blocks(model)[l], e)):
+                for name, used, orig in zip(fl.MATRICES, seen["W"], blocks.weights(blocks.moe_blocks(model)[l], e)):
                     if name in target:
                         assert not torch.equal(used, orig), (target, l, e, name)
                         groups = used.reshape(-1, 16)  # HQQ groups run along the rows (16 of 32 or 48 entries)
@@ -113,9 +76,9 @@ def test_quant_fn_changes_only_its_matrix(model, xs, monkeypatch):
                         assert torch.equal(used, orig), (target, l, e, name)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     monkeypatch.undo()
-    err = {m: fl.layer_errors(model, xs, fl.quant_fn(model, m, 1, 16)).mean() for m in fl.MATRICES}
+    err = {m: blocks.layer_errors(model, xs, fl.quant_fn(model, m, 1, 16)).mean() for m in fl.MATRICES}
     assert all(v > 0 for v in err.values())
-    assert fl.layer_errors(model, xs, fl.quant_fn(model, "up", 8, 16)).max() < 1e-3
+    assert blocks.layer_errors(model, xs, fl.quant_fn(model, "up", 8, 16)).max() < 1e-3
 
 
 def test_floe_expert_gathered_equals_masked_dense(model, xs):
@@ -144,9 +107,9 @@ def test_inter_predictor_learns_the_next_router(model):
     """Trained on 192 tokens, both predictors find the next layer's top-2 experts on 64 held-out tokens far
     better than the constant baseline that always predicts the two most frequent training experts."""
     ids = torch.randint(40, (8, 32), generator=torch.Generator().manual_seed(2))
-    xs = fl.capture(model, ids)
-    nxt = fl.moe_blocks(model)[2]
-    logits = fl.route(nxt, xs[2])[0].detach()  # (256, 4) the next layer's true router logits
+    xs = blocks.capture(model, ids)
+    nxt = blocks.moe_blocks(model)[2]
+    logits = blocks.route(nxt, xs[2])[0].detach()  # (256, 4) the next layer's true router logits
     tr, te = slice(0, 192), slice(192, 256)
 
     def overlap(pred, true):  # unordered top-2 overlap, by a loop over tokens
@@ -185,10 +148,10 @@ def test_theorem_errors_closed_form_and_order():
 # ---------------------------------------------------------------- the notebook's controls (floe.CONTROLS)
 
 def test_unknown_control_is_rejected(model):
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(ValueError, match="not a control"):
         fl.sparse_fn(model, torch.zeros(3, 4), "up", control="randm_mask")
     with pytest.raises(ValueError, match="unknown"):
-        OffloadEngine(model, "floe", SimLink(TimeModel()), control="nope")
+        OffloadEngine(model, "floe", SimLink(TimeModel()), predictor="nope")
 
 
 def test_random_like_keeps_the_count_per_row_but_not_the_positions():
@@ -210,8 +173,8 @@ def test_random_mask_erases_the_sparsity_ordering(model, xs):
     """Magnitude masks order the errors (down least); random masks of the same size lose that order:
     sparsifying a_down at random costs about as much as sparsifying a_up at random."""
     t = {on: fl.thresholds(model, xs, 0.8, on) for on in fl.MATRICES}
-    err = {on: fl.layer_errors(model, xs, fl.sparse_fn(model, t[on], on))[1:].mean().item() for on in fl.MATRICES}
-    rnd = {on: fl.layer_errors(model, xs, fl.sparse_fn(model, t[on], on, "random_mask"))[1:].mean().item()
+    err = {on: blocks.layer_errors(model, xs, fl.sparse_fn(model, t[on], on))[1:].mean().item() for on in fl.MATRICES}
+    rnd = {on: blocks.layer_errors(model, xs, fl.sparse_fn(model, t[on], on, "random_mask"))[1:].mean().item()
            for on in fl.MATRICES}
     assert err["down"] < 0.7 * err["up"]
     assert 0.7 < rnd["down"] / rnd["up"] < 1.4
@@ -227,7 +190,7 @@ def test_floe_expert_controls(model, xs):
     a_up, m = ex.mask(x)
     _, m_gate = swapped.mask(x)
     _, m_rnd = rnd.mask(x)
-    Wg = fl.weights(fl.moe_blocks(model)[1], 0)[0]
+    Wg = blocks.weights(blocks.moe_blocks(model)[1], 0)[0]
     assert torch.equal(m_gate, torch.nn.functional.silu(x @ Wg.T).abs() >= t_gate[1, 0])
     assert torch.equal(m_rnd.sum(-1), m.sum(-1)) and not torch.equal(m_rnd, m)
     assert torch.equal(rnd.mask(x)[1], m_rnd)  # the same x gets the same random mask, so both forms agree
@@ -249,6 +212,30 @@ def test_random_predictor_in_the_engine_misses_and_moves_more(model):
     seq = torch.randint(40, (1, 12), generator=torch.Generator().manual_seed(2))
     tm = TimeModel.mixtral_equivalent(32, 48)
     _, real = OffloadEngine(model, "floe", SimLink(tm), keep=0.25).run(seq)
-    _, rnd = OffloadEngine(model, "floe", SimLink(tm), keep=0.25, control="random_predictor").run(seq)
+    _, rnd = OffloadEngine(model, "floe", SimLink(tm), keep=0.25, predictor="random").run(seq)
     assert rnd.misses > real.misses
     assert sum(rnd.bytes) > sum(real.bytes) and sum(rnd.seconds) > sum(real.seconds)
+
+
+def test_config_for_scale_and_controls():
+    smoke, full = fl.Config.for_scale("smoke"), fl.Config.for_scale("full")
+    assert (smoke.steps, smoke.n_seq, smoke.predictor_epochs, smoke.n_decode) == (200, 64, 10, 1)
+    assert (full.steps, full.n_seq, full.predictor_epochs, full.n_decode) == (1500, 256, 20, 8)
+    assert smoke.trained and smoke.predictor == "router"
+    assert not fl.Config.for_scale("smoke", "untrained").trained
+    assert fl.Config.for_scale("smoke", "random_predictor").predictor == "random"
+    assert fl.Config.for_scale("smoke", "random_mask") == smoke  # mask controls act through `control=` arguments
+    assert smoke.pooled_k in smoke.ks and set(smoke.offloaded) == set(range(1, smoke.n_layers))
+    with pytest.raises(ValueError, match="not a control"):
+        fl.Config.for_scale("smoke", "nope")
+    with pytest.raises(ValueError, match="scale"):
+        fl.Config.for_scale("big")
+    m = tiny_mixtral(**smoke.arch(40))
+    assert len(blocks.moe_blocks(m)) == 4 and blocks.moe_blocks(m)[0].experts.down_proj.shape == (8, 64, 192)
+
+
+def test_floe_fn_is_the_experts(model, xs):
+    experts = fl.floe_experts(model, fl.thresholds(model, xs, 0.8, "up"))
+    fn = fl.floe_fn(experts)
+    assert torch.equal(fn(2, 1, xs[2][:5]), experts[2, 1](xs[2][:5]))
+    assert fl.check_control("") == "" and fl.check_control("untrained") == "untrained"

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lab.models.zoo import tiny_mixtral
-from lab.moe.offload import OffloadEngine, SimLink, TimeModel
+from lab.moe.links import SimLink, TimeModel
+from lab.moe.offload import OffloadEngine
 
 H, FF, L, E, K = 32, 48, 3, 4, 2
 
@@ -65,20 +66,6 @@ def test_floe_bytes_and_quality(model, seq):
 def test_all_resident_moves_nothing(model, seq):
     _, st = run(model, seq, "floe", resident=tuple(range(L)))
     assert sum(st.bytes) == 0 and st.calls == 0
-
-
-def test_sim_link_time_model():
-    tm = TimeModel(pcie=1e3, hbm=1e4, latency=0.5)
-    link = SimLink(tm)
-    _, r1 = link.copy(torch.zeros(100, dtype=torch.uint8), 0, "a")  # 0.5 + 0.1
-    _, r2 = link.copy(torch.zeros(1000, dtype=torch.uint8), 0, "b")  # FIFO: starts when the first ends
-    assert r1 == pytest.approx(0.6) and r2 == pytest.approx(0.6 + 1.5)
-    link.compute(0, 10_000, lambda: None)  # overlaps the copies
-    assert link.now() == pytest.approx(1.0)
-    link.wait(r2)
-    assert link.now() == pytest.approx(2.1)
-    lanes = [(s.lane, s.start, s.end) for s in link.spans]
-    assert lanes[2] == ("compute", 0.0, pytest.approx(1.0))
 
 
 def test_prefetch_overlaps_compute(model, seq):

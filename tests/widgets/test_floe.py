@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lab.moe.offload import Span
+from lab.moe.links import Span
 from lab.widgets.floe import activation_explorer, bytes_figure, histogram_figure, offload_explorer, timeline_figure
 
 
