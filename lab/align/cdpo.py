@@ -22,21 +22,27 @@ tokens and averages −log σ(γ(h_w,t − (1 − s_t) h_l,t)) over positions: `
 
 Toy conventions (documented differences): full fine-tuning of copies instead of LoRA; fixed-length
 responses, so no padding enters the position-wise mean; grading by the final digit (`TrickyArithmetic`).
+The toy's pipeline (`Config.for_scale`, `preference_pairs`, `contrastive_models`, `rollout_study`,
+`ce_agreement`, `lr_sweep`) runs (a)–(c) end to end for the notebook.
 """
 
 from __future__ import annotations
 
-import math
+import copy
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lab.align.train import response_logps, train_pairs
-from lab.core import progress
-from lab.models.sample import sample, sample_responses  # noqa: F401 (re-exported for notebooks)
+from lab.align.train import optimize, response_logps, train_pairs
+from lab.core.params import check_control
+from lab.data.arith import RESPONSE_LEN, TrickyArithmetic, take
+from lab.models import TrainConfig, TrainResult, fit, tiny_llama
+from lab.models.sample import mean_pass_at_k, sample, sample_responses
 
 Grade = Callable[[Tensor, Tensor], Tensor]  # (question rows (m,), responses (m, k, L)) -> correct (m, k) bool
 
@@ -47,25 +53,61 @@ CONTROLS = {  # the substitutions a skeptic would make; the notebook declares wh
 }
 
 
-def _control(control: str) -> str:
-    if control and control not in CONTROLS:
-        raise ValueError(f"control={control!r} is unknown; use one of {', '.join(CONTROLS)}.")
-    return control
+@dataclass(frozen=True)
+class Config:
+    """The tricky-arithmetic toy (`lab.data.arith.TrickyArithmetic`: tricky operations flipped w.p. 0.6, steps
+    1–2): a 1-layer Llama base trained on its noisy traces, N samples per training question, P_p / P_n by SFT,
+    K rollouts per prefix on up to `n_rollout` rejected trajectories, the four arms over an lr sweep."""
+
+    flip: float = 0.6
+    max_step: int = 2
+    d_model: int = 64
+    n_layers: int = 1
+    n_heads: int = 4
+    max_len: int = 16
+    base_steps: int = 400
+    base_batch: int = 64
+    base_lr: float = 3e-3
+    n_test: int = 500  # held-out questions for greedy accuracy
+    n_train: int = 300  # questions sampled for the pairs
+    n_samples: int = 16  # N trajectories per training question
+    top_p: float = 0.5  # P_n's data covers this share of the wrong samples
+    sft_steps: int = 200  # P_p and P_n
+    sft_lr: float = 1e-3
+    sft_batch: int = 32
+    K: int = 16  # rollouts per prefix
+    n_rollout: int = 100  # rejected trajectories studied by rollouts (at most)
+    arms: tuple[str, ...] = ("dpo", "rpo", "cdpo", "cdpo_positionwise")
+    lrs: tuple[float, ...] = (1e-4, 3e-4)
+    steps: int = 200  # preference training, every arm and lr
+    batch_size: int = 32
+    every: int = 20  # log the chosen / rejected log-likelihoods every this many steps
+    n_show: int = 8  # trajectories in the explorer
+
+    @classmethod
+    def for_scale(cls, scale: str, control: str = "") -> Config:
+        """Sizes for the scale; a control (see `CONTROLS`) changes no size."""
+        check_control(control, CONTROLS)
+        return cls() if scale == "smoke" else cls(n_test=2000, n_train=1000, n_samples=64, sft_steps=600, K=64,
+                                                  n_rollout=300, lrs=(3e-5, 1e-4, 3e-4, 1e-3), steps=600)
+
+    def task(self) -> TrickyArithmetic:
+        return TrickyArithmetic(flip=self.flip, max_step=self.max_step)
 
 
 def ce_models(pos, neg, control: str = "") -> tuple:
     """(P_p, P_n) as contrastive estimation uses them: swapped under the `swapped_ce` control."""
-    return (neg, pos) if _control(control) == "swapped_ce" else (pos, neg)
+    return (neg, pos) if check_control(control, CONTROLS) == "swapped_ce" else (pos, neg)
 
 
 def training_scores(s: Tensor, control: str = "") -> Tensor:
     """The CE scores cDPO trains with: s itself, or zeros under the `dpo` control (cDPO is then DPO)."""
-    return torch.zeros_like(s) if _control(control) == "dpo" else s
+    return torch.zeros_like(s) if check_control(control, CONTROLS) == "dpo" else s
 
 
 def critical_or_random(c: Tensor, control: str = "", *, generator: torch.Generator | None = None) -> Tensor:
     """`critical_token(c)`, or under the `random_token` control a uniformly random position per row."""
-    if _control(control) == "random_token":
+    if check_control(control, CONTROLS) == "random_token":
         return torch.randint(c.shape[-1], c.shape[:-1], generator=generator)
     return critical_token(c)
 
@@ -91,11 +133,6 @@ def critical_token(c: Tensor, *, tol: float = 0.05) -> Tensor:
     later = torch.cat([c.flip(-1).cummax(-1).values.flip(-1)[..., 1:], torch.zeros(*c.shape[:-1], 1)], -1)
     ok = (c == 0) & (later < tol)
     return torch.where(ok.any(-1), ok.float().argmax(-1), -1)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased Pass@k from n samples with c correct: 1 − C(n−c, k) / C(n, k)."""
-    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def replacement(model, prompts: Tensor, responses: Tensor, t: Tensor, grade: Grade, *, K: int,
@@ -179,18 +216,16 @@ def arm_loss(arm: str, pi_w, ref_w, pi_l, ref_l, s, *, gamma: float) -> Tensor:
 
 def fine_tune(model, prompts: Tensor, responses: Tensor, *, steps: int, lr: float, batch_size: int,
               seed: int = 0, quiet: bool | None = None) -> list[float]:
-    """SFT in place on (prompt, response) pairs, loss on the response tokens (P_p, P_n)."""
+    """SFT in place on (prompt, response) pairs, loss on the response tokens (P_p, P_n): Adam through
+    `lab.align.train.optimize`, a batch of `batch_size` pairs drawn with replacement per step."""
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
-    losses = []
-    for _ in progress(range(steps), quiet=quiet, desc="sft"):
+
+    def step_loss(_: int) -> Tensor:
         i = torch.randint(len(prompts), (batch_size,), generator=g)
-        loss = -response_logps(model, prompts[i], responses[i]).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        return -response_logps(model, prompts[i], responses[i]).mean()
+
+    losses = optimize(model.parameters(), step_loss, steps=steps, lr=lr, desc="sft", quiet=quiet)
     model.eval()
     return losses
 
@@ -200,3 +235,126 @@ def train_arm(base, pairs: dict[str, Tensor], arm: str, *, gamma: float, **kw) -
     (`lab.align.train.train_pairs`: the policy and its chosen / rejected log-likelihood log)."""
     return train_pairs(base, pairs, lambda b: arm_loss(arm, b["pi_w"], b["ref_w"], b["pi_l"], b["ref_l"], b["s"],
                                                        gamma=gamma), desc=arm, **kw)
+
+
+# ------------------------------------------------------------------- the toy's pipeline (§2, §3, Table 3)
+
+def base_model(task: TrickyArithmetic, cfg: Config, *, seed: int, device: str) -> TrainResult:
+    """The base: a tiny Llama trained on the task's noisy traces (cached by config)."""
+    build = partial(tiny_llama, vocab_size=len(task.tokenizer), d_model=cfg.d_model, n_layers=cfg.n_layers,
+                    n_heads=cfg.n_heads, max_len=cfg.max_len)
+    return fit(build, task, TrainConfig(steps=cfg.base_steps, batch_size=cfg.base_batch, lr=cfg.base_lr, seed=seed),
+               device=device)
+
+
+@dataclass
+class Pairs:
+    """§3's data from N trajectories sampled per question (`select`): the questions that give a pair, their
+    prompts, chosen and rejected trajectories (n, L), P_n's data, and every sample's grade (Q, N)."""
+
+    questions: dict[str, Tensor]
+    prompts: Tensor
+    chosen: Tensor
+    rejected: Tensor
+    neg_prompts: Tensor
+    neg_responses: Tensor
+    correct: Tensor
+
+
+def preference_pairs(model, task: TrickyArithmetic, q: dict[str, Tensor], N: int, *, top_p: float = 0.5,
+                     generator: torch.Generator, device: str = "cpu") -> Pairs:
+    """Sample N trajectories per question at T = 1, grade them and `select`: the pair (most frequent correct,
+    most frequent wrong) per question, and one trajectory of each selected wrong answer for P_n."""
+    samples = sample_responses(model, q["prompt"].to(device), N, RESPONSE_LEN, generator=generator, temperature=1.0)
+    correct = task.grade(q, samples)
+    sel = select(task.final_answer(samples), correct, top_p=top_p)
+    kept = [i for i, s in enumerate(sel) if s]
+    neg = [(i, j) for i in kept for j in sel[i]["neg"]]
+    return Pairs(take(q, torch.tensor(kept)), q["prompt"][kept], torch.stack([samples[i, sel[i]["pos"]] for i in kept]),
+                 torch.stack([samples[i, sel[i]["neg"][0]] for i in kept]),
+                 torch.stack([q["prompt"][i] for i, _ in neg]), torch.stack([samples[i, j] for i, j in neg]), correct)
+
+
+def contrastive_models(base, data: Pairs, cfg: Config, *, seed: int, device: str = "cpu") -> tuple:
+    """(P_p, P_n) of §3.1: copies of the base fine-tuned on the chosen trajectories and on P_n's wrong ones."""
+    pos, neg = copy.deepcopy(base), copy.deepcopy(base)
+    sft = dict(steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch, seed=seed)
+    fine_tune(pos, data.prompts.to(device), data.chosen.to(device), **sft)
+    fine_tune(neg, data.neg_prompts.to(device), data.neg_responses.to(device), **sft)
+    return pos, neg
+
+
+KS = (1, 2, 4, 8, 16, 32, 64)  # the k of Pass@k, up to K
+
+
+@dataclass
+class Rollouts:
+    """The rollout ground truth (§2, Fig. 2) on rejected trajectories (m, L)."""
+
+    c: Tensor  # (m, L) share of K rollouts from each prefix y_≤t that end correct
+    critical: Tensor  # (m,) the critical token (−1: none), or the control's random position
+    found: Tensor  # (m,) critical ≥ 0
+    ks: list[int]
+    pass_k: dict[str, list[float]]  # mean Pass@k with the critical token kept / replaced
+    positions: list[int]  # critical tokens found at each response position
+    before_answer: float  # share of them before position `answer_at`
+
+
+def rollout_study(model, prompts: Tensor, rejected: Tensor, grade: Grade, *, K: int, answer_at: int, control: str = "",
+                  generator: torch.Generator, device: str = "cpu") -> Rollouts:
+    """c_t by K rollouts per prefix, the critical token (`critical_or_random`), and the replacement test at it."""
+    c = rollout_correctness(model, prompts.to(device), rejected.to(device), grade, K=K, generator=generator)
+    crit = critical_or_random(c, control, generator=generator)
+    found = crit >= 0
+    rows = found.nonzero()[:, 0]
+    kept, swapped = replacement(model, prompts[rows].to(device), rejected[rows].to(device), crit[rows],
+                                lambda r, y: grade(rows[r], y), K=K, generator=generator)
+    ks = [k for k in KS if k <= K]
+    pass_k = {"critical token kept": mean_pass_at_k(kept, ks), "critical token replaced": mean_pass_at_k(swapped, ks)}
+    return Rollouts(c, crit, found, ks, pass_k, torch.bincount(crit[found], minlength=rejected.shape[1]).tolist(),
+                    (crit[found] < answer_at).float().mean().item())
+
+
+def ce_agreement(pos, neg, s: Tensor, prompts: Tensor, rejected: Tensor, chosen: Tensor, study: Rollouts, *,
+                 beta: float, device: str = "cpu") -> dict[str, float]:
+    """Top-1 agreement with the rollout critical token (where one was found) of argmin_t s_t, of the named wrong
+    variants (β's sign flipped, P_p / P_n swapped) and of the first token where rejected leaves chosen."""
+    def hit(t: Tensor) -> float:
+        return (t == study.critical)[study.found].float().mean().item()
+
+    x, y = prompts.to(device), rejected.to(device)
+    return {f"CE (β = {beta:g})": hit(s.argmin(1)),
+            "β sign flipped": hit(ce_scores(pos, neg, x, y, beta=-beta).argmin(1)),
+            "P_p / P_n swapped": hit(ce_scores(neg, pos, x, y, beta=beta).argmin(1)),
+            "first token differing from the chosen": hit((chosen != rejected).float().argmax(1))}
+
+
+def lr_sweep(base, pairs: dict[str, Tensor], cfg: Config, *, gamma: float, seed: int, task: TrickyArithmetic,
+             test: dict[str, Tensor], generator: torch.Generator, device: str = "cpu") -> dict[tuple[str, float], dict]:
+    """Every arm of `cfg.arms` at every lr of `cfg.lrs`, from the base on the same pairs and steps (Table 3,
+    Fig. 4): {(arm, lr): {"acc": greedy accuracy on `test`, "log": `train_arm`'s log}}."""
+    results = {}
+    for arm in cfg.arms:
+        for lr in cfg.lrs:
+            policy, log = train_arm(base, pairs, arm, steps=cfg.steps, lr=lr, gamma=gamma, batch_size=cfg.batch_size,
+                                    seed=seed, every=cfg.every)
+            acc = task.greedy_accuracy(policy, test, generator=generator, device=device)
+            results[arm, lr] = {"acc": acc, "log": log}
+    return results
+
+
+def best_lrs(results: dict[tuple[str, float], dict]) -> dict[str, float]:
+    """Each arm's lr of highest greedy accuracy (the first of the sweep on a tie)."""
+    arms = dict.fromkeys(arm for arm, _ in results)
+    return {arm: max((lr for a, lr in results if a == arm), key=lambda lr: results[arm, lr]["acc"]["all"])
+            for arm in arms}
+
+
+def by_run(results: dict[tuple[str, float], dict], what: str = "acc") -> dict[str, object]:
+    """{"arm@lr": results[arm, lr][what]}."""
+    return {f"{arm}@{lr:g}": r[what] for (arm, lr), r in results.items()}
+
+
+def chosen_drop(results: dict[tuple[str, float], dict]) -> dict[str, float]:
+    """{"arm@lr": how far training moved the mean chosen log-likelihood down (first − last logged value)}."""
+    return {run: log["chosen"][0] - log["chosen"][-1] for run, log in by_run(results, "log").items()}

@@ -13,14 +13,59 @@ run), and a prompt kept only if all three hold. Surviving pairs go unchanged int
 r_w = r_l carry no preference and are dropped from the pool before the percentiles (the paper assumes
 r_w > r_l; with discrete toy rewards ties are common). Self-RIP post-filters synthetic prompts with the
 same thresholds (`keep(..., tau)` on a new pool).
+
+The toy's protocol (`Config.for_scale`, `make_pool`, `filter_sets`, `self_rip_post_filter`, `dpo_on_subsets`)
+runs this on `lab.data.instructions.InstructionWorld` for the notebook.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
+
+from lab.align import losses
+from lab.align.train import train_pairs
+from lab.core.params import check_control
+from lab.data.instructions import RESPONSE_LEN, InstructionWorld
+from lab.models import TrainConfig, TrainResult, fit, tiny_llama
+from lab.models.sample import sample_responses
+
+CONTROLS = {"random_filter": "RIP's filter replaced by a uniformly random subset of the valid pairs of the same size "
+                             "(on the pool and in Self-RIP's post-filter)"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The instruction-world toy (`lab.data.instructions`): a 2-layer Llama seed model SFT'd on the world, a
+    pool of prompts with N samples each, a fresh pool for Self-RIP's post-filter, identical DPO on each
+    subset (β = 0.1, lr 3e-4, batch 32, reference = the seed model)."""
+
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    max_len: int = 20
+    sft_steps: int = 150
+    sft_batch: int = 64
+    sft_lr: float = 3e-3
+    n_eval: int = 400  # held-out clean prompts scored after each DPO run
+    eval_samples: int = 4  # sampled responses per evaluation prompt (T = 1), beside the greedy one
+    n_pool: int = 800
+    n_samples: int = 8  # N responses per prompt
+    n_fresh: int = 400  # Self-RIP's fresh pool
+    fresh_bad_frac: float = 0.3  # its share of low-quality prompts
+    dpo_steps: int = 150
+    dpo_lr: float = 3e-4
+    dpo_batch: int = 32
+    dpo_beta: float = 0.1
+
+    @classmethod
+    def for_scale(cls, scale: str, control: str = "") -> Config:
+        """Sizes for the scale; the control (see `CONTROLS`) only changes the filter, not a size."""
+        check_control(control, CONTROLS)
+        return cls() if scale == "smoke" else cls(n_eval=1000, n_pool=3000, n_samples=16, n_fresh=1500, dpo_steps=500)
 
 
 @dataclass
@@ -61,18 +106,12 @@ def keep(pool: Pool, tau: tuple[float, float, float]) -> Tensor:
     return pool.valid & (pool.m1 >= t1) & (pool.m2 >= t2) & (pool.m3 <= t3)
 
 
-CONTROLS = {"random_filter": "RIP's filter replaced by a uniformly random subset of the valid pairs of the same size "
-                             "(on the pool and in Self-RIP's post-filter)"}
-
-
 def rip_filter(pool: Pool, tau: tuple[float, float, float], control: str = "",
                generator: torch.Generator | None = None) -> Tensor:
     """The filter the notebook applies as RIP: `keep(pool, tau)`, or under the `random_filter` control a
     random subset of the valid pairs with as many members as RIP keeps (needs `generator`)."""
-    if control and control not in CONTROLS:
-        raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
     kept = keep(pool, tau)
-    if control == "random_filter":
+    if check_control(control, CONTROLS) == "random_filter":
         return random_subset(pool.valid, int(kept.sum()), generator)
     return kept
 
@@ -103,3 +142,80 @@ def random_subset(valid: Tensor, size: int, generator: torch.Generator) -> Tenso
 def bad_fraction(mask: Tensor, bad: Tensor) -> float:
     """Share of low-quality prompts in a kept set (nan when the set is empty)."""
     return bad[mask].float().mean().item() if mask.any() else float("nan")
+
+
+# ---------------------------------------------------------------------------------- the toy's protocol
+
+def seed_model(world: InstructionWorld, cfg: Config, *, seed: int, device: str) -> TrainResult:
+    """The seed model: a tiny Llama SFT'd on the world's clean and truncated prompts (cached by config)."""
+    build = partial(tiny_llama, vocab_size=len(world.tokenizer), d_model=cfg.d_model, n_layers=cfg.n_layers,
+                    n_heads=cfg.n_heads, max_len=cfg.max_len)
+    return fit(build, world, TrainConfig(steps=cfg.sft_steps, batch_size=cfg.sft_batch, lr=cfg.sft_lr, seed=seed),
+               device=device)
+
+
+def make_pool(world: InstructionWorld, model, n: int, bad_frac: float, N: int, *, generator: torch.Generator,
+              device: str = "cpu") -> tuple[dict[str, Tensor], Tensor, Pool]:
+    """§3's pool: n prompts (a `bad_frac` share low-quality), N responses each sampled at T = 1, judged, and
+    paired best vs worst: (prompts, responses Y (n, N, L), the `Pool`)."""
+    p = world.prompts(n, generator, bad_frac=bad_frac)
+    Y = sample_responses(model, p["prompt"].to(device), N, RESPONSE_LEN, generator=generator, temperature=1.0)
+    return p, Y, best_vs_worst(world.reward(p, Y, generator), world.length(Y))
+
+
+def filter_sets(pool: Pool, tau: tuple[float, float, float], q: float, control: str = "",
+                generator: torch.Generator | None = None) -> dict[str, Tensor]:
+    """Table 7's rows: the valid pool, RIP (`rip_filter`: a control substitutes it), a random subset of RIP's
+    size and the single-metric, chosen-based and large-gap filters of `single_filters` at q."""
+    sets = {"full (valid pairs)": pool.valid, "RIP": rip_filter(pool, tau, control, generator)}
+    sets["random, RIP's size"] = random_subset(pool.valid, int(sets["RIP"].sum()), generator)
+    sets.update(single_filters(pool, q))
+    return sets
+
+
+def removed_by_kind(kept: Tensor, valid: Tensor, kind: Tensor, names) -> dict[str, float]:
+    """Per prompt kind, the share of its valid pairs that a filter removes: 1 − |kept ∩ k| / |valid ∩ k|."""
+    return {name: 1 - (kept & (kind == k)).sum().item() / max(1, (valid & (kind == k)).sum().item())
+            for k, name in enumerate(names)}
+
+
+def self_rip_post_filter(world: InstructionWorld, model, tau: tuple[float, float, float], cfg: Config,
+                         control: str = "", *, generator: torch.Generator, device: str = "cpu") -> dict:
+    """Self-RIP's post-filter (its step 3; Table 6): a fresh pool filtered with the first pool's thresholds,
+    unchanged; the low-quality share before (`pool`) and after (`kept`) and the kept size."""
+    p, _, pool = make_pool(world, model, cfg.n_fresh, cfg.fresh_bad_frac, cfg.n_samples, generator=generator,
+                           device=device)
+    kept = rip_filter(pool, tau, control, generator)
+    return {"pool": bad_fraction(pool.valid, p["kind"] > 0), "kept": bad_fraction(kept, p["kind"] > 0),
+            "size": int(kept.sum())}
+
+
+def dpo_loss(batch: dict[str, Tensor], *, beta: float) -> Tensor:
+    """Mean DPO loss of a `train_pairs` batch: sequence log-probs are the sums of the per-token ones."""
+    pi = torch.stack([batch["pi_w"].sum(-1), batch["pi_l"].sum(-1)], 1)
+    ref = torch.stack([batch["ref_w"].sum(-1), batch["ref_l"].sum(-1)], 1)
+    return losses.dpo(pi, ref, beta=beta).mean()
+
+
+def subset_pairs(world: InstructionWorld, prompts: dict[str, Tensor], Y: Tensor, pool: Pool, mask: Tensor,
+                 device: str = "cpu") -> dict[str, Tensor]:
+    """The best-vs-worst pairs of the prompts in `mask`, unchanged, as `train_pairs` takes them."""
+    Q = torch.arange(len(Y))
+    yw, yl = Y[Q, pool.w][mask], Y[Q, pool.l][mask]
+    pairs = {"prompt": prompts["prompt"][mask], "chosen": yw, "rejected": yl,
+             "chosen_mask": world.response_mask(yw), "rejected_mask": world.response_mask(yl)}
+    return {k: v.to(device) for k, v in pairs.items()}
+
+
+def dpo_on_subsets(world: InstructionWorld, model, prompts: dict[str, Tensor], Y: Tensor, pool: Pool,
+                   subsets: dict[str, Tensor], cfg: Config, *, seed: int, eval_prompts: dict[str, Tensor],
+                   generator: torch.Generator, device: str = "cpu") -> dict[str, dict[str, float]]:
+    """Identical DPO from `model` (also the reference) on each subset of the pool (Fig. 1, Tables 2 and 20);
+    {subset: the result's judge reward on `eval_prompts`, greedy and sampled}."""
+    out = {}
+    for name, mask in subsets.items():
+        policy, _ = train_pairs(model, subset_pairs(world, prompts, Y, pool, mask, device),
+                                partial(dpo_loss, beta=cfg.dpo_beta), steps=cfg.dpo_steps, lr=cfg.dpo_lr,
+                                batch_size=cfg.dpo_batch, seed=seed, desc=name)
+        out[name] = world.model_reward(policy, eval_prompts, generator, samples=cfg.eval_samples, device=device)
+    return out

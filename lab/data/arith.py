@@ -14,16 +14,24 @@ paper's GSM8K parser; a wrong operation that happens to give the right digit cou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
+from lab.models.sample import sample
 from lab.models.tokenizer import word_tokenizer
 
 IGNORE = -100
 SEP = "="
 PROMPT_LEN, RESPONSE_LEN = 7, 5  # <bos> a b c k1 k2 =  |  op1 s1 op2 s2 <eos>
+POSITIONS = ("op1", "s1", "op2", "s2", "<eos>")  # what each response position holds
+
+
+def take(q: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The questions `rows` of a question batch q (every field indexed alike)."""
+    return {k: v[rows] for k, v in q.items()}
 
 
 @dataclass(frozen=True)
@@ -127,3 +135,20 @@ class TrickyArithmetic:
         truth = self.answer(q)
         truth = truth.view(-1, *([1] * (response.ndim - 2)))
         return self.final_answer(response) == truth
+
+    def grader(self, q: dict[str, torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """`grade` as rollouts call it: (rows of q (m,), responses (m, k, 5)) -> correct (m, k)."""
+        return lambda rows, response: self.grade(take(q, rows), response)
+
+    def greedy_accuracy(self, model, q: dict[str, torch.Tensor], *, generator: torch.Generator,
+                        device: str = "cpu") -> dict[str, float]:
+        """Share of questions q a model answers correctly with its greedy trajectory: over all of them, the
+        tricky ones and the plain ones."""
+        ok = self.grade(q, sample(model, q["prompt"].to(device), RESPONSE_LEN, generator=generator, temperature=0))
+        tricky = self.tricky(q)
+        return {"all": ok.float().mean().item(), "tricky": ok[tricky].float().mean().item(),
+                "plain": ok[~tricky].float().mean().item()}
+
+    def chance(self) -> dict[str, float]:
+        """Top-1 hit rates of guessing the critical token: a random response position, a random operation."""
+        return {"random position": 1 / RESPONSE_LEN, "random operation token": 1 / 2}  # op1 or op2

@@ -21,6 +21,7 @@ from functools import cached_property
 
 import torch
 
+from lab.models.sample import sample, sample_responses
 from lab.models.tokenizer import word_tokenizer
 
 TASKS = ("COPY", "REV", "INC")
@@ -117,3 +118,13 @@ class InstructionWorld:
         clarify = y[..., 0] == self.eos
         r[trunc] = torch.where(clarify[trunc], 0.1 * torch.rand(int(trunc.sum()), k, generator=generator), 0.0)
         return r
+
+    def model_reward(self, model, p: dict[str, torch.Tensor], generator: torch.Generator, *, samples: int = 4,
+                     device: str = "cpu") -> dict[str, float]:
+        """A model's mean judge reward on prompts p: its greedy response, and `samples` responses per prompt
+        sampled at T = 1."""
+        greedy = sample(model, p["prompt"].to(device), RESPONSE_LEN, generator=generator, temperature=0)[:, None]
+        sampled = sample_responses(model, p["prompt"].to(device), samples, RESPONSE_LEN, generator=generator,
+                                   temperature=1.0)
+        return {"greedy": self.reward(p, greedy, generator).mean().item(),
+                "sampled": self.reward(p, sampled, generator).mean().item()}

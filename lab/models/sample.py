@@ -33,4 +33,16 @@ def sample_responses(model, prompts: Tensor, k: int, length: int, **kw) -> Tenso
     """k sampled responses per prompt: (n, k, length)."""
     return sample(model, prompts.repeat_interleave(k, 0), length, **kw).view(len(prompts), k, length)
 
-__all__ = ["sample", "sample_responses"]
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased Pass@k from n samples with c correct (Chen et al., 2021): 1 − C(n−c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def mean_pass_at_k(ok: Tensor, ks) -> list[float]:
+    """Mean over rows of the unbiased Pass@k of each row's K outcomes `ok` (m, K) bool, for each k in ks."""
+    K = ok.shape[1]
+    return [sum(pass_at_k(K, int(n), k) for n in ok.sum(1)) / len(ok) for k in ks]
+
+
+__all__ = ["sample", "sample_responses", "pass_at_k", "mean_pass_at_k"]

@@ -16,10 +16,46 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from lab.align.cdpo import ce_scores
-from lab.widgets.figures import show_in
+from lab.align.cdpo import Grade, ce_scores, replacement
+from lab.models.sample import pass_at_k
+from lab.widgets.figures import lines, show_in
 
 PassK = Callable[[int, int], tuple[dict[int, float], dict[int, float]]]  # (trajectory, position) -> kept, replaced
+
+
+def replacement_pass_k(model, prompts: torch.Tensor, responses: torch.Tensor, grade: Grade, *, K: int,
+                       ks: Sequence[int], generator: torch.Generator, device: str = "cpu") -> PassK:
+    """The explorer's `pass_k(i, t)`: the replacement test (`cdpo.replacement`, K rollouts) at position t of
+    trajectory i, as Pass@k for each k in ks with y_t kept and with y_t replaced. `grade(rows, responses)`
+    grades rows of the full set."""
+
+    def pass_k(i: int, t: int) -> tuple[dict[int, float], dict[int, float]]:
+        kept, swapped = replacement(model, prompts[i:i + 1].to(device), responses[i:i + 1].to(device),
+                                    torch.tensor([t]), lambda r, y: grade(torch.tensor([i]), y), K=K,
+                                    generator=generator)
+        return ({k: pass_at_k(K, int(kept.sum()), k) for k in ks}, {k: pass_at_k(K, int(swapped.sum()), k) for k in ks})
+
+    return pass_k
+
+
+def trajectory_items(tokenizer, prompts: torch.Tensor, responses: torch.Tensor, s: torch.Tensor, c: torch.Tensor,
+                     critical: torch.Tensor, n: int) -> list[dict]:
+    """The first n trajectories as `critical_figure` items: label "prompt → response", tokens, s_t, c_t and the
+    critical token."""
+    return [{"label": f"{tokenizer.decode(prompts[i])} → {tokenizer.decode(responses[i])}",
+             "tokens": tokenizer.convert_ids_to_tokens(responses[i].tolist()), "s": s[i], "c": c[i],
+             "critical": int(critical[i])} for i in range(n)]
+
+
+def dynamics_figure(results: dict[tuple[str, float], dict], best: dict[str, float], *, title: str) -> go.Figure:
+    """Fig. 4: each arm's mean chosen (solid) and rejected (dashed) log-likelihood during training at its best
+    lr, from `cdpo.lr_sweep`'s results."""
+    curves = {}
+    for arm, lr in best.items():
+        log = results[arm, lr]["log"]
+        curves[f"{arm} chosen"], curves[f"{arm} rejected"] = log["chosen"], log["rejected"]
+    return lines(log["step"], curves, title=title, xlabel="step", ylabel="mean log-likelihood",
+                 dash=lambda name: name.endswith("rejected"))
 
 
 def strip_traces(tokens: Sequence[str], s: torch.Tensor, c: torch.Tensor | None, *, visible: bool = True) -> list:

@@ -1,5 +1,7 @@
+import copy
 import itertools
 import math
+from dataclasses import FrozenInstanceError, replace
 
 import pytest
 import torch
@@ -8,7 +10,10 @@ from torch import nn
 
 from lab.align import LOSSES
 from lab.align import cdpo as C
-from lab.models import tiny_llama
+from lab.align.train import response_logps
+from lab.data.arith import TrickyArithmetic
+from lab.models import TrainConfig, fit, tiny_llama
+from lab.models.sample import mean_pass_at_k, pass_at_k
 
 V = 12
 
@@ -72,7 +77,7 @@ def test_pass_at_k_matches_brute_force():
         outcomes = [1] * c + [0] * (n - c)
         subsets = list(itertools.combinations(range(n), k))
         brute = sum(any(outcomes[i] for i in sub) for sub in subsets) / len(subsets)
-        assert C.pass_at_k(n, c, k) == pytest.approx(brute)
+        assert pass_at_k(n, c, k) == pytest.approx(brute)
 
 
 def test_critical_token_rule():
@@ -219,5 +224,129 @@ def test_controls_substitute_exactly_what_they_name():
     assert (C.critical_or_random(c) == 1).all()
     rnd = C.critical_or_random(c, "random_token", generator=torch.Generator().manual_seed(0))
     assert rnd.shape == (200,) and set(rnd.tolist()) == set(range(5))
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(ValueError, match="not a control"):
         C.ce_models(pos, neg, "swap_ce")
+
+
+# ------------------------------------------------------------------------------ the toy's pipeline
+
+def test_fine_tune_is_the_hand_written_adam_sft_loop():
+    """`fine_tune` runs through `optimize`: the same batches, losses and weights as a plain Adam loop."""
+    torch.manual_seed(1)
+    base = tiny_llama(vocab_size=V, d_model=16, n_layers=1, n_heads=2, max_len=16).eval()
+    x, y = torch.randint(V, (10, 3)), torch.randint(V, (10, 4))
+    model, ref = copy.deepcopy(base), copy.deepcopy(base)
+    losses = C.fine_tune(model, x, y, steps=7, lr=1e-2, batch_size=4, seed=3, quiet=True)
+    g, opt, want = torch.Generator().manual_seed(3), torch.optim.Adam(ref.parameters(), lr=1e-2), []
+    ref.train()
+    for _ in range(7):
+        i = torch.randint(10, (4,), generator=g)
+        loss = -response_logps(ref, x[i], y[i]).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    assert losses == want and not model.training
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_config_lists_the_sizes_of_each_scale():
+    smoke, full = C.Config.for_scale("smoke"), C.Config.for_scale("full", "dpo")
+    assert (smoke.n_test, smoke.n_train, smoke.n_samples, smoke.sft_steps, smoke.K, smoke.n_rollout, smoke.steps) == \
+        (500, 300, 16, 200, 16, 100, 200)
+    assert (full.n_test, full.n_train, full.n_samples, full.sft_steps, full.K, full.n_rollout, full.steps) == \
+        (2000, 1000, 64, 600, 64, 300, 600)
+    assert smoke.lrs == (1e-4, 3e-4) and full.lrs == (3e-5, 1e-4, 3e-4, 1e-3)
+    assert smoke.task() == TrickyArithmetic(flip=0.6, max_step=2)
+    with pytest.raises(FrozenInstanceError):
+        smoke.K = 2
+    with pytest.raises(ValueError, match="not a control"):
+        C.Config.for_scale("smoke", "nope")
+
+
+def test_mean_pass_at_k_matches_brute_force():
+    ok = torch.tensor([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    for k in (1, 2, 3):
+        brute = [sum(any(row[i] for i in sub) for sub in itertools.combinations(range(4), k))
+                 / math.comb(4, k) for row in ok.tolist()]
+        assert mean_pass_at_k(ok, [k])[0] == pytest.approx(sum(brute) / 3)
+
+
+def test_rollout_study_by_hand():
+    """`always(5)`, correct = all fives: row 0 turns wrong at its 3 (position 2), row 1 never does."""
+    model, grade = always(5), lambda rows, r: (r == 5).all(-1)
+    y, x = torch.tensor([[5, 5, 3, 5], [5, 5, 5, 5]]), torch.tensor([[1, 2], [1, 2]])
+    st = C.rollout_study(model, x, y, grade, K=4, answer_at=3, generator=torch.Generator().manual_seed(0))
+    assert st.c.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and st.critical.tolist() == [2, -1]
+    assert st.found.tolist() == [True, False] and st.ks == [1, 2, 4] and st.positions == [0, 0, 1, 0]
+    assert st.pass_k == {"critical token kept": [0.0, 0.0, 0.0], "critical token replaced": [1.0, 1.0, 1.0]}
+    assert st.before_answer == 1.0
+    late = C.rollout_study(model, x, y, grade, K=4, answer_at=2, generator=torch.Generator().manual_seed(0))
+    assert late.before_answer == 0.0
+    rnd = C.rollout_study(model, x, y, grade, K=4, answer_at=3, control="random_token",
+                          generator=torch.Generator().manual_seed(0))
+    assert rnd.found.all() and rnd.c.tolist() == st.c.tolist()  # a position for every row, the same c_t
+
+
+def test_ce_agreement_by_hand():
+    """P_p writes 5, P_n writes 7: argmin s_t is the 7 of each rejected trajectory; with them swapped (or β's sign
+    flipped) it is the first 5. Row 3 has no critical token and does not count."""
+    y = torch.tensor([[5, 7, 5], [5, 5, 7], [7, 5, 5], [5, 5, 5]])
+    chosen = torch.tensor([[5, 5, 5], [5, 7, 7], [5, 5, 5], [5, 5, 5]])  # row 1 leaves the chosen at 1, not 2
+    x = torch.ones(4, 1, dtype=torch.long)
+    s = C.ce_scores(always(5), always(7), x, y)
+    study = C.Rollouts(torch.zeros(4, 3), torch.tensor([1, 2, 0, 2]), torch.tensor([True, True, True, False]), [1], {},
+                       [], 0.0)
+    got = C.ce_agreement(always(5), always(7), s, x, y, chosen, study, beta=1.0)
+    assert got == {"CE (β = 1)": 1.0, "β sign flipped": 0.0, "P_p / P_n swapped": 0.0,
+                   "first token differing from the chosen": pytest.approx(2 / 3)}
+    assert list(got) == ["CE (β = 1)", "β sign flipped", "P_p / P_n swapped", "first token differing from the chosen"]
+
+
+def test_best_lrs_by_run_and_chosen_drop_by_hand():
+    res = {("dpo", 1e-4): {"acc": {"all": 0.5}, "log": {"chosen": [-3.0, -5.0]}},
+           ("dpo", 3e-4): {"acc": {"all": 0.5}, "log": {"chosen": [-3.0, -9.0]}},
+           ("cdpo", 1e-4): {"acc": {"all": 0.4}, "log": {"chosen": [-3.0, -2.5]}},
+           ("cdpo", 3e-4): {"acc": {"all": 0.7}, "log": {"chosen": [-3.0, -3.5]}}}
+    assert C.best_lrs(res) == {"dpo": 1e-4, "cdpo": 3e-4}  # a tie keeps the first lr
+    assert C.by_run(res) == {"dpo@0.0001": {"all": 0.5}, "dpo@0.0003": {"all": 0.5}, "cdpo@0.0001": {"all": 0.4},
+                             "cdpo@0.0003": {"all": 0.7}}
+    assert C.chosen_drop(res) == {"dpo@0.0001": 2.0, "dpo@0.0003": 6.0, "cdpo@0.0001": -0.5, "cdpo@0.0003": 0.5}
+
+
+def test_pipeline_pairs_models_and_sweep_follow_the_steps_by_hand():
+    task = TrickyArithmetic(flip=0.6, max_step=2)
+    cfg = replace(C.Config(), base_steps=30, sft_steps=3, sft_batch=4, steps=2, batch_size=4, every=1,
+                  arms=("dpo", "cdpo"), lrs=(1e-3,))
+    run = C.base_model(task, cfg, seed=0, device="cpu")
+    ref = fit(lambda: tiny_llama(vocab_size=len(task.tokenizer), d_model=64, n_layers=1, n_heads=4, max_len=16), task,
+              TrainConfig(steps=30, batch_size=64, lr=3e-3, seed=0), cache=False)
+    assert run.key == ref.key and all(torch.equal(a, b) for a, b in zip(run.model.parameters(), ref.model.parameters()))
+    base = run.model
+    q = task.questions(40, torch.Generator().manual_seed(1))
+    data = C.preference_pairs(base, task, q, 8, generator=torch.Generator().manual_seed(2))
+    samples = C.sample_responses(base, q["prompt"], 8, 5, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(data.correct, task.grade(q, samples))
+    sel = C.select(task.final_answer(samples), data.correct)
+    rows = [i for i, s in enumerate(sel) if s]
+    assert len(rows) > 0 and data.questions["prompt"].tolist() == data.prompts.tolist() == q["prompt"][rows].tolist()
+    assert data.chosen.tolist() == [samples[i, sel[i]["pos"]].tolist() for i in rows]
+    assert data.rejected.tolist() == [samples[i, sel[i]["neg"][0]].tolist() for i in rows]
+    assert data.neg_responses.tolist() == [samples[i, j].tolist() for i in rows for j in sel[i]["neg"]]
+    assert task.grade(data.questions, data.chosen).all() and not task.grade(data.questions, data.rejected).any()
+    pos, neg = C.contrastive_models(base, data, cfg, seed=4)
+    p_ref, n_ref = copy.deepcopy(base), copy.deepcopy(base)
+    C.fine_tune(p_ref, data.prompts, data.chosen, steps=3, lr=1e-3, batch_size=4, seed=4, quiet=True)
+    C.fine_tune(n_ref, data.neg_prompts, data.neg_responses, steps=3, lr=1e-3, batch_size=4, seed=4, quiet=True)
+    for a, b in ((pos, p_ref), (neg, n_ref)):
+        assert all(torch.equal(u, v) for u, v in zip(a.parameters(), b.parameters()))
+    pairs = {"prompt": data.prompts, "chosen": data.chosen, "rejected": data.rejected,
+             "s": C.ce_scores(pos, neg, data.prompts, data.rejected)}
+    test = task.questions(30, torch.Generator().manual_seed(5))
+    res = C.lr_sweep(base, pairs, cfg, gamma=0.1, seed=6, task=task, test=test, generator=torch.Generator())
+    assert list(res) == [("dpo", 1e-3), ("cdpo", 1e-3)]
+    for arm in cfg.arms:
+        policy, log = C.train_arm(base, pairs, arm, steps=2, lr=1e-3, gamma=0.1, batch_size=4, seed=6, every=1,
+                                  quiet=True)
+        assert res[arm, 1e-3]["log"] == log
+        assert res[arm, 1e-3]["acc"] == task.greedy_accuracy(policy, test, generator=torch.Generator())

@@ -1,9 +1,17 @@
 import math
+from dataclasses import FrozenInstanceError, replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lab.align import rip as R
+from lab.align.train import train_pairs
+from lab.data.instructions import KINDS, RESPONSE_LEN, InstructionWorld
+from lab.models import TrainConfig, fit, tiny_llama
+from lab.models.sample import sample_responses
+
+from ..data.test_instructions import Always
 
 
 def toy_pool():
@@ -73,5 +81,131 @@ def test_the_random_filter_control_keeps_rips_size_at_random():
         assert not (m & ~p.valid).any()
         hit_bad |= bool(m[3:5].any())
     assert sizes == {3} and hit_bad  # same size as RIP's set, and it lets bad prompts in
-    with pytest.raises(ValueError, match="unknown control"):
+    with pytest.raises(ValueError, match="not a control"):
         R.rip_filter(p, tau, "nope")
+
+
+# ------------------------------------------------------------------------------ the toy's protocol
+
+WORLD = InstructionWorld()
+
+
+def test_config_lists_the_sizes_of_each_scale():
+    smoke, full = R.Config.for_scale("smoke"), R.Config.for_scale("full", "random_filter")
+    assert (smoke.n_pool, smoke.n_samples, smoke.n_eval, smoke.n_fresh, smoke.dpo_steps) == (800, 8, 400, 400, 150)
+    assert (full.n_pool, full.n_samples, full.n_eval, full.n_fresh, full.dpo_steps) == (3000, 16, 1000, 1500, 500)
+    assert (smoke.dpo_beta, smoke.dpo_lr, smoke.dpo_batch, smoke.fresh_bad_frac) == (0.1, 3e-4, 32, 0.3)
+    with pytest.raises(FrozenInstanceError):
+        smoke.n_pool = 1
+    with pytest.raises(ValueError, match="not a control"):
+        R.Config.for_scale("smoke", "nope")
+
+
+def test_dpo_loss_is_dpo_on_the_summed_token_log_probs():
+    g = torch.Generator().manual_seed(0)
+    b = {k: -3 * torch.rand(3, 4, generator=g) for k in ("pi_w", "ref_w", "pi_l", "ref_l")}
+    want = sum(-math.log(1 / (1 + math.exp(-0.1 * ((b["pi_w"][i].sum() - b["ref_w"][i].sum())
+                                                    - (b["pi_l"][i].sum() - b["ref_l"][i].sum())).item())))
+               for i in range(3)) / 3
+    assert R.dpo_loss(b, beta=0.1).item() == pytest.approx(want, abs=1e-6)
+
+
+def test_removed_by_kind_by_hand():
+    kind = torch.tensor([0, 0, 1, 1, 1, 2, 3])
+    valid = torch.tensor([True, True, True, True, False, True, False])
+    kept = torch.tensor([True, False, False, False, False, True, False])
+    # clean: 1 of 2 valid kept; garbled: 0 of 2 valid kept; mislabeled: 1 of 1 kept; truncated: no valid pair
+    assert R.removed_by_kind(kept, valid, kind, KINDS) == {"clean": 0.5, "garbled": 1.0, "mislabeled": 0.0,
+                                                          "truncated": 1.0}
+
+
+def test_filter_sets_are_table_7s_rows_drawn_in_order():
+    r, length = toy_pool()
+    p = R.best_vs_worst(r, length)
+    tau = R.thresholds(p)
+    sets = R.filter_sets(p, tau, 0.5, "", torch.Generator().manual_seed(3))
+    assert list(sets)[:3] == ["full (valid pairs)", "RIP", "random, RIP's size"]
+    assert sets["full (valid pairs)"] is p.valid and sets["RIP"].tolist() == R.keep(p, tau).tolist()
+    g = torch.Generator().manual_seed(3)
+    assert sets["random, RIP's size"].tolist() == R.random_subset(p.valid, 3, g).tolist()
+    assert all(sets[k].tolist() == v.tolist() for k, v in R.single_filters(p, 0.5).items())
+    # the control draws its subset first, then the equal-size random row
+    g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    ctl = R.filter_sets(p, tau, 0.5, "random_filter", g1)
+    first = R.random_subset(p.valid, 3, g2)
+    assert ctl["RIP"].tolist() == first.tolist()
+    assert ctl["random, RIP's size"].tolist() == R.random_subset(p.valid, 3, g2).tolist()
+
+
+def test_make_pool_samples_judges_and_pairs_best_with_worst():
+    model = Always(WORLD.tokenizer.convert_tokens_to_ids("0"))
+    p, Y, pool = R.make_pool(WORLD, model, 30, 0.5, 3, generator=torch.Generator().manual_seed(0))
+    assert Y.shape == (30, 3, RESPONSE_LEN) and (Y == WORLD.tokenizer.convert_tokens_to_ids("0")).all()
+    g = torch.Generator().manual_seed(0)  # the same draws, in the same order, by hand
+    p2 = WORLD.prompts(30, g, bad_frac=0.5)
+    sample_responses(model, p2["prompt"], 3, RESPONSE_LEN, generator=g, temperature=1.0)
+    r = WORLD.reward(p2, Y, g)
+    assert torch.equal(p["prompt"], p2["prompt"])
+    for i in range(30):  # all responses are 7 digits long, no <eos>: the reward alone ranks them
+        lo, hi = min(r[i].tolist()), max(r[i].tolist())
+        assert (pool.m1[i].item(), pool.chosen_reward[i].item(), pool.m2[i].item()) == (lo, hi, 7)
+        assert pool.m3[i].item() == pytest.approx(hi - lo) and bool(pool.valid[i]) == (hi > lo)
+
+
+def test_subset_pairs_take_the_best_and_worst_rows_of_the_mask():
+    g = torch.Generator().manual_seed(1)
+    p = WORLD.prompts(5, g)
+    Y = torch.randint(len(WORLD.tokenizer), (5, 3, RESPONSE_LEN), generator=g)
+    pool = R.Pool(torch.tensor([0, 1, 2, 0, 1]), torch.tensor([2, 0, 1, 1, 2]), *[torch.zeros(5)] * 4,
+                  torch.ones(5, dtype=torch.bool))
+    mask = torch.tensor([True, False, True, True, False])
+    pairs = R.subset_pairs(WORLD, p, Y, pool, mask)
+    rows = [0, 2, 3]
+    assert pairs["prompt"].tolist() == [p["prompt"][i].tolist() for i in rows]
+    assert pairs["chosen"].tolist() == [Y[i, int(pool.w[i])].tolist() for i in rows]
+    assert pairs["rejected"].tolist() == [Y[i, int(pool.l[i])].tolist() for i in rows]
+    assert torch.equal(pairs["rejected_mask"], WORLD.response_mask(pairs["rejected"]))
+
+
+def test_self_rip_post_filter_applies_the_first_pools_thresholds_to_a_fresh_pool():
+    model = Always(WORLD.eos)  # answers <eos> at once: only truncated prompts get reward
+    cfg = replace(R.Config(), n_fresh=60, n_samples=4)
+    tau = (0.0, 0.0, 1.0)
+    out = R.self_rip_post_filter(WORLD, model, tau, cfg, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(2)
+    p, _, pool = R.make_pool(WORLD, model, 60, cfg.fresh_bad_frac, 4, generator=g)
+    kept = R.keep(pool, tau)
+    assert out == {"pool": R.bad_fraction(pool.valid, p["kind"] > 0), "kept": R.bad_fraction(kept, p["kind"] > 0),
+                   "size": int(kept.sum())}
+
+
+def test_seed_model_is_the_tiny_llama_fit_on_the_world():
+    cfg = replace(R.Config(), sft_steps=3)
+    run = R.seed_model(WORLD, cfg, seed=0, device="cpu")
+    ref = fit(lambda: tiny_llama(vocab_size=len(WORLD.tokenizer), d_model=64, n_layers=2, n_heads=4, max_len=20), WORLD,
+              TrainConfig(steps=3, batch_size=64, lr=3e-3, seed=0), cache=False)
+    assert run.key == ref.key
+    assert all(torch.equal(a, b) for a, b in zip(run.model.parameters(), ref.model.parameters()))
+
+
+def test_dpo_on_subsets_is_train_pairs_with_dpo_then_the_clean_reward():
+    torch.manual_seed(0)
+    model = tiny_llama(vocab_size=len(WORLD.tokenizer), d_model=16, n_layers=1, n_heads=2, max_len=20).eval()
+    g = torch.Generator().manual_seed(5)
+    p, Y, pool = R.make_pool(WORLD, model, 24, 0.3, 3, generator=g)
+    evalp = WORLD.prompts(10, g, bad_frac=0.0)
+    cfg = replace(R.Config(), dpo_steps=3, dpo_batch=4, eval_samples=2)
+    subsets = {"a": pool.valid, "b": pool.valid & (torch.arange(24) % 2 == 0)}
+    got = R.dpo_on_subsets(WORLD, model, p, Y, pool, subsets, cfg, seed=1, eval_prompts=evalp,
+                           generator=torch.Generator().manual_seed(9))
+
+    def dpo(b):  # the loss as written out by hand
+        h = (b["pi_w"].sum(-1) - b["ref_w"].sum(-1)) - (b["pi_l"].sum(-1) - b["ref_l"].sum(-1))
+        return -F.logsigmoid(0.1 * h).mean()
+
+    g = torch.Generator().manual_seed(9)
+    for name, m in subsets.items():
+        policy, _ = train_pairs(model, R.subset_pairs(WORLD, p, Y, pool, m), dpo, steps=3, lr=3e-4, batch_size=4,
+                                seed=1, quiet=True)
+        want = WORLD.model_reward(policy, evalp, g, samples=2)
+        assert got[name] == pytest.approx(want, abs=1e-6), name

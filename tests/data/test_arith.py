@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lab.data.arith import IGNORE, PROMPT_LEN, RESPONSE_LEN, TrickyArithmetic
+from lab.data.arith import IGNORE, POSITIONS, PROMPT_LEN, RESPONSE_LEN, TrickyArithmetic, take
 
 TASK = TrickyArithmetic()
 
@@ -59,3 +59,60 @@ def test_small_steps_modulus_and_bad_specs():
     for bad in ({"flip": 1.5}, {"n_tricky": 9}, {"modulus": 11}, {"max_step": 10}):
         with pytest.raises(ValueError):
             TrickyArithmetic(**bad)
+
+
+def test_take_and_grader_select_rows():
+    task = TrickyArithmetic(max_step=2)
+    q = task.questions(6, torch.Generator().manual_seed(4))
+    rows = torch.tensor([4, 1])
+    sub = take(q, rows)
+    assert set(sub) == set(q) and all(sub[k].tolist() == [q[k][4].tolist(), q[k][1].tolist()] for k in q)
+    right = task.trace(q, task.op_sign[q["kw"]])
+    wrong = right.clone()
+    wrong[:, 4] = wrong[:, 3]  # no <eos>: malformed
+    r = torch.stack([right[rows], wrong[rows]], 1)  # (2, 2, L): per row the right then the wrong trace
+    assert task.grader(q)(rows, r).tolist() == [[True, False], [True, False]]
+
+
+class Oracle(torch.nn.Module):
+    """Writes the trace of the question in its prompt, with the tricky keywords' operations flipped when
+    `flip_tricky`."""
+
+    def __init__(self, task: TrickyArithmetic, flip_tricky: bool):
+        super().__init__()
+        self.task, self.flip = task, flip_tricky
+
+    def forward(self, input_ids):
+        t = self.task
+        V, digit = len(t.tokenizer), {t.tokenizer.convert_tokens_to_ids(str(d)): d for d in range(t.modulus)}
+        kw = {t.tokenizer.convert_tokens_to_ids(f"K{i}"): i for i in range(t.n_keywords)}
+        logits = torch.zeros(*input_ids.shape, V)
+        for n, row in enumerate(input_ids.tolist()):
+            q = {"digits": torch.tensor([[digit[x] for x in row[1:4]]]),
+                 "kw": torch.tensor([[kw[x] for x in row[4:6]]])}
+            sign = t.op_sign[q["kw"]]
+            if self.flip:
+                sign = torch.where(q["kw"] < t.n_tricky, -sign, sign)
+            logits[n, -1, t.trace(q, sign)[0, len(row) - PROMPT_LEN]] = 50.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_greedy_accuracy_by_hand_and_chance_levels():
+    task = TrickyArithmetic(max_step=2)
+    q = task.questions(40, torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(0)
+    assert task.greedy_accuracy(Oracle(task, False), q, generator=g) == {"all": 1.0, "tricky": 1.0, "plain": 1.0}
+    sign = {f"K{i}": int(v) for i, v in enumerate(task.op_sign)}
+    flipped = {k: -v if int(k[1:]) < task.n_tricky else v for k, v in sign.items()}
+    ok, tricky = [], []
+    for p in q["prompt"]:  # by hand: the flipped trace is right when it lands on the true final digit
+        words = task.tokenizer.convert_ids_to_tokens(p.tolist())
+        ok.append(naive(words, flipped) == naive(words, sign))
+        tricky.append(int(words[4][1:]) < task.n_tricky or int(words[5][1:]) < task.n_tricky)
+    acc = task.greedy_accuracy(Oracle(task, True), q, generator=g)
+    share = lambda rows: sum(ok[i] for i in rows) / len(rows)
+    assert acc == pytest.approx({"all": share(range(40)), "tricky": share([i for i in range(40) if tricky[i]]),
+                                 "plain": share([i for i in range(40) if not tricky[i]])})
+    assert acc["plain"] == 1.0 and acc["tricky"] < 0.5
+    assert task.chance() == {"random position": 1 / RESPONSE_LEN, "random operation token": 0.5}
+    assert POSITIONS.index("s2") == 3 and len(POSITIONS) == RESPONSE_LEN

@@ -48,3 +48,27 @@ def test_sft_batch_and_spec():
     assert ((lab == W.eos).sum(1) == 1).all()  # the loss stops at the first <eos>
     with pytest.raises(ValueError):
         InstructionWorld(bad_frac=1.0)
+
+
+class Always(torch.nn.Module):
+    """A causal LM that always puts (almost) all its mass on one token (of the world's vocabulary by default)."""
+
+    def __init__(self, token: int, vocab: int = len(W.tokenizer)):
+        super().__init__()
+        self.token, self.vocab = token, vocab
+
+    def forward(self, input_ids):
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        logits[..., self.token] = 50.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_model_reward_by_hand():
+    """A model that always writes 0 on clean prompts: its reward is the share of 0s among the 6 target digits,
+    greedy and sampled alike; one that answers <eos> at once gets nothing."""
+    g = torch.Generator().manual_seed(4)
+    p = W.prompts(50, g, bad_frac=0.0)
+    zeros = [naive_target(TASKS[int(t)], [int(d) for d in row]).count(0) / 6 for t, row in zip(p["task"], p["payload"])]
+    got = W.model_reward(Always(W.tokenizer.convert_tokens_to_ids("0")), p, g, samples=3)
+    assert got == pytest.approx({"greedy": sum(zeros) / 50, "sampled": sum(zeros) / 50}, abs=1e-6)
+    assert W.model_reward(Always(W.eos), p, g) == {"greedy": 0.0, "sampled": 0.0}

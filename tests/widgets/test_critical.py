@@ -2,7 +2,15 @@ import torch
 
 from lab.data.arith import TrickyArithmetic
 from lab.models import tiny_llama
-from lab.widgets.critical import critical_explorer, critical_figure
+from lab.widgets.critical import (
+    critical_explorer,
+    critical_figure,
+    dynamics_figure,
+    replacement_pass_k,
+    trajectory_items,
+)
+
+from ..align.test_cdpo import always
 
 TASK = TrickyArithmetic()
 
@@ -64,3 +72,36 @@ def test_precomputed_view():
     assert [b.args[0]["visible"] for b in buttons] == [[True, True, False], [False, False, True]]
     assert buttons[0].args[1]["shapes"][0]["x0"] == -0.5 and buttons[1].args[1]["shapes"] == []
     assert fig.layout.shapes[0].x0 == -0.5
+
+
+def test_replacement_pass_k_by_hand():
+    """`always(5)`, correct = all fives, graded through the full set's rows: replacing the wrong 3 recovers every
+    rollout, replacing a right 5 loses every one."""
+    seen = []
+
+    def grade(rows, r):
+        seen.append(rows.tolist())
+        return (r == 5).all(-1)
+
+    y, x = torch.tensor([[5, 5, 5, 5], [5, 5, 3, 5]]), torch.tensor([[1, 2], [1, 2]])
+    pass_k = replacement_pass_k(always(5), x, y, grade, K=4, ks=[1, 2], generator=torch.Generator().manual_seed(0))
+    assert pass_k(1, 2) == ({1: 0.0, 2: 0.0}, {1: 1.0, 2: 1.0}) and seen[-1] == [1]
+    assert pass_k(0, 1) == ({1: 1.0, 2: 1.0}, {1: 0.0, 2: 0.0}) and seen[-1] == [0]
+
+
+def test_trajectory_items_and_dynamics_figure():
+    q = TASK.questions(3, torch.Generator().manual_seed(1))
+    y = TASK.trace(q, TASK.op_sign[q["kw"]])
+    s, c = torch.rand(3, 5), torch.rand(3, 5)
+    items = trajectory_items(TASK.tokenizer, q["prompt"], y, s, c, torch.tensor([0, 3, -1]), 2)
+    words = TASK.tokenizer.convert_ids_to_tokens(y[1].tolist())
+    assert len(items) == 2 and items[1]["tokens"] == words and items[1]["critical"] == 3
+    assert items[1]["label"] == TASK.tokenizer.decode(q["prompt"][1]) + " → " + TASK.tokenizer.decode(y[1])
+    assert torch.equal(items[1]["s"], s[1]) and torch.equal(items[1]["c"], c[1])
+    res = {("dpo", 0.1): {"log": {"step": [0, 5], "chosen": [-1.0, -4.0], "rejected": [-2.0, -9.0]}},
+           ("dpo", 0.3): {"log": {"step": [0, 5], "chosen": [-1.0, -8.0], "rejected": [-2.0, -19.0]}},
+           ("cdpo", 0.1): {"log": {"step": [0, 5], "chosen": [-1.0, -1.5], "rejected": [-2.0, -3.0]}}}
+    fig = dynamics_figure(res, {"dpo": 0.3, "cdpo": 0.1}, title="t")
+    assert [t.name for t in fig.data] == ["dpo chosen", "dpo rejected", "cdpo chosen", "cdpo rejected"]
+    assert list(fig.data[1].y) == [-2.0, -19.0] and list(fig.data[2].x) == [0, 5]
+    assert [t.line.dash for t in fig.data] == ["solid", "dash", "solid", "dash"]
