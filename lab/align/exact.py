@@ -1,11 +1,17 @@
 """Exact enumeration of a tiny LM's response space: every response of length L over V tokens is
 scored, so distributions, KLs and win rates over responses are computed exactly (no sampling).
-Shared by the preference toys (EXPO's and InfAlign's tiny-transformer tests)."""
+Shared by the preference toys (EXPO's, HPS's and InfAlign's tiny transformers). The two solvers,
+`fit_exact` (SFT onto a target distribution) and `train_rlhf` (the exact KL-regularized objective),
+are gradient loops of `lab.align.train.optimize`."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
+
+from lab.align.train import optimize
 
 
 def all_sequences(V: int, L: int) -> Tensor:
@@ -25,18 +31,15 @@ def seq_logprobs(model, prompts: Tensor, seqs: Tensor, V: int) -> Tensor:
 
 
 def fit_exact(model, prompts: Tensor, seqs: Tensor, target_logp: Tensor, V: int, *, steps: int,
-              lr: float) -> list[float]:
-    """SFT by enumeration: minimize KL(target ‖ π_model) per prompt with Adam; returns the KLs."""
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+              lr: float, quiet: bool | None = None) -> list[float]:
+    """SFT by enumeration: minimize KL(target ‖ π_model), averaged over prompts, with Adam; returns
+    the KL before each step."""
     p = target_logp.exp()
-    out = []
-    for _ in range(steps):
-        kl_ = (p * (target_logp - seq_logprobs(model, prompts, seqs, V))).sum(-1).mean()
-        kl_.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(kl_.item())
-    return out
+
+    def step_loss(_: int) -> Tensor:
+        return (p * (target_logp - seq_logprobs(model, prompts, seqs, V))).sum(-1).mean()
+
+    return optimize(model.parameters(), step_loss, steps=steps, lr=lr, desc="exact SFT", quiet=quiet)
 
 
 def _tail_probs(p: Tensor, N: int, kind: str) -> Tensor:
@@ -65,16 +68,31 @@ def win_rate(logp: Tensor, ref_logp: Tensor, r: Tensor, N: int = 1, kind: str = 
     return torch.stack(out)
 
 
+def tilt_logp(ref_logp: Tensor, R: Tensor, beta: float) -> Tensor:
+    """The closed-form KL-regularized optimum log π ∝ log π_ref + R/β, per prompt: (C, S)."""
+    return (ref_logp.double() + R / beta).log_softmax(-1)
+
+
+def beta_for_kl(ref_logp: Tensor, R: Tensor, target: float) -> float:
+    """One β shared by all prompts with mean KL(π_β ‖ π_ref) = target (bisection on log β)."""
+    lo, hi = -15.0, 15.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        q = tilt_logp(ref_logp, R, math.exp(mid))
+        kl_ = (q.exp() * (q - ref_logp.double())).sum(-1).mean()
+        lo, hi = (mid, hi) if kl_ > target else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
 def train_rlhf(policy, prompts: Tensor, seqs: Tensor, ref_logp: Tensor, R: Tensor, beta: float, V: int, *,
-               steps: int, lr: float) -> Tensor:
+               steps: int, lr: float, quiet: bool | None = None) -> Tensor:
     """Maximize the exact KL-regularized objective Σ_y π_θ(y)[R(y) − β(log π_θ(y) − log π_ref(y))],
     averaged over prompts, with Adam. Returns log π_θ (C, S)."""
-    opt = torch.optim.Adam(policy.parameters(), lr=lr)
-    for _ in range(steps):
+
+    def step_loss(_: int) -> Tensor:
         logp = seq_logprobs(policy, prompts, seqs, V)
-        loss = -(logp.exp() * (R - beta * (logp - ref_logp))).sum(-1).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        return -(logp.exp() * (R - beta * (logp - ref_logp))).sum(-1).mean()
+
+    optimize(policy.parameters(), step_loss, steps=steps, lr=lr, desc="exact RLHF", quiet=quiet)
     with torch.no_grad():
         return seq_logprobs(policy, prompts, seqs, V)

@@ -16,6 +16,8 @@ by the number of responses: `kl_scale="mean"` mirrors that (effective weight λ/
 
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lab.align.exact import all_sequences, fit_exact, seq_logprobs
+from lab.align.train import optimize
 
 METHODS = ("dpo", "ipo", "fdpo_js", "rlhf", "expo")  # the §5 comparison; λ is β for the DPO family
 CONTROLS = {"dpo": "EXPO replaced by DPO (β = λ) in the same solves and trainings (same data, λ, lr and steps)"}
@@ -38,6 +41,7 @@ class Config:
     preserve_log_lams: tuple[float, ...] = (-3, -2, -1, 0, 1, 2, 3)
     n_pairs: int = 300  # sampled variant: uniform draws before dropping ties (official: 300)
     epochs: int = 300  # sampled variant (official: 1000)
+    sampled_lam: float = 1e-5  # the vanishing λ of the sampled variant
     lr_dpo: float = 1e-3
     lr_expo: float = 5e-4
     # tiny transformer: every response of length L over V tokens is enumerated (V^L per prompt)
@@ -61,6 +65,10 @@ class Config:
         sizes = {} if scale == "smoke" else dict(interp_log_lams=grid, preserve_log_lams=grid, epochs=1000,
                                                    lm_lams=(0.03, 0.1, 0.3, 1.0, 3.0, 10.0), lm_steps=400)
         return cls(**sizes, **({"expo_loss": control} if control else {}))  # each control names the loss it trains
+
+    def grids(self) -> dict[str, tuple[float, ...]]:
+        """{context: its log λ grid}: the interpolation grid and the preservation grid twice."""
+        return {"interpolation": self.interp_log_lams, "good": self.preserve_log_lams, "bad": self.preserve_log_lams}
 
     def loss(self, method: str) -> str:
         """The loss actually trained for `method`: EXPO's substitute under a control, else the method itself."""
@@ -156,8 +164,9 @@ def dpo_minimizer(pi_ref: Tensor, pi_star: Tensor, lam: float) -> Tensor:
     return logp.softmax(-1)
 
 
-def kl(p: Tensor, q: Tensor) -> float:
-    """KL(p ‖ q) with sum reduction (the distance the notes' tables use)."""
+def kl_divergence(p: Tensor, q: Tensor) -> float:
+    """KL(p ‖ q) between two distributions over the same K responses, sum reduction (the distance of
+    the official tables, e.g. KL(π* ‖ π_θ))."""
     return float((p * (p.log() - q.log())).sum())
 
 
@@ -175,39 +184,71 @@ def sample_pairs(pi_star: Tensor, n: int, generator: torch.Generator) -> tuple[T
 
 
 def train_tabular(method: str, y_w: Tensor, y_l: Tensor, pi_ref: Tensor, lam: float, *, epochs: int,
-                  lr: float, batch_size: int = 20, record_every: int = 50) -> tuple[Tensor, Tensor]:
-    """Adam on a tabular policy from π_ref's logits over the pairs, in order, as the official
-    `train` (grad-norm clip 10). Returns the final policy (K,) and its trajectory (S, K)."""
+                  lr: float, batch_size: int = 20, record_every: int = 50,
+                  quiet: bool | None = None) -> tuple[Tensor, Tensor]:
+    """Adam on a tabular policy from π_ref's logits over the pairs, in order, `epochs` times, as the
+    official `train` (grad-norm clip 10). Returns the final policy (K,) and its trajectory (S, K):
+    the policy after every `record_every` steps."""
     from lab.align import LOSSES
 
     logits = pi_ref.log().clone().requires_grad_()
     logp_ref = pi_ref.log()
-    opt = torch.optim.Adam([logits], lr=lr)
-    traj, step = [], 0
-    for _ in range(epochs):
-        for s in range(0, len(y_w), batch_size):
-            w, l = y_w[s:s + batch_size], y_l[s:s + batch_size]
-            logp = logits.log_softmax(-1)
-            pi, ref = torch.stack([logp[w], logp[l]], 1), torch.stack([logp_ref[w], logp_ref[l]], 1)
-            if method == "expo":
-                loss = expo(pi, ref, lam=lam, kl=kl_exact(logp_ref, logp, scale="mean").expand(len(w)))
-            else:
-                loss = LOSSES[method](pi, ref, beta=lam)
-            loss.mean().backward()
-            torch.nn.utils.clip_grad_norm_([logits], 10.0)
-            opt.step()
-            opt.zero_grad()
-            step += 1
-            if step % record_every == 0:
-                traj.append(logits.detach().softmax(-1))
+    starts = range(0, len(y_w), batch_size)
+    traj = []
+
+    def step_loss(step: int) -> Tensor:
+        if step and step % record_every == 0:  # the policy after `step` updates
+            traj.append(logits.detach().softmax(-1))
+        s = starts[step % len(starts)]
+        w, l = y_w[s:s + batch_size], y_l[s:s + batch_size]
+        logp = logits.log_softmax(-1)
+        pi, ref = torch.stack([logp[w], logp[l]], 1), torch.stack([logp_ref[w], logp_ref[l]], 1)
+        if method == "expo":
+            return expo(pi, ref, lam=lam, kl=kl_exact(logp_ref, logp, scale="mean").expand(len(w))).mean()
+        return LOSSES[method](pi, ref, beta=lam).mean()
+
+    steps = epochs * len(starts)
+    optimize([logits], step_loss, steps=steps, lr=lr, grad_clip=10.0, desc=f"tabular {method}", quiet=quiet)
+    if steps % record_every == 0:
+        traj.append(logits.detach().softmax(-1))
     return logits.detach().softmax(-1), torch.stack(traj)
+
+
+def sampled_runs(cfg: Config, pi_ref: Tensor, pi_star: Tensor, seed: int,
+                 methods: tuple[str, ...] = ("dpo", "expo")) -> tuple[dict[str, tuple[Tensor, Tensor]], int]:
+    """The official sampled experiment: `cfg.n_pairs` uniform pairs labelled by BT(π*) (generator seeded
+    with `seed`), then each method's tabular policy trained on them at λ = `cfg.sampled_lam` (DPO at
+    `cfg.lr_dpo`, every other loss at `cfg.lr_expo`). Returns {method: (final π_θ, trajectory)} and the
+    number of pairs kept."""
+    y_w, y_l = sample_pairs(pi_star, cfg.n_pairs, torch.Generator().manual_seed(seed))
+    return {m: train_tabular(cfg.loss(m), y_w, y_l, pi_ref, cfg.sampled_lam, epochs=cfg.epochs,
+                             lr=cfg.lr_dpo if m == "dpo" else cfg.lr_expo) for m in methods}, len(y_w)
 
 
 def sweep(method: str, pi_ref: Tensor, pi_star: Tensor, log_lams) -> Tensor:
     """Population solutions over a log λ grid: (L, K)."""
-    import math
-
     return torch.stack([solve(method, pi_ref, pi_star, math.exp(ll)) for ll in log_lams])
+
+
+def population_solutions(cfg: Config) -> dict[str, dict[str, Tensor]]:
+    """{context: {method: (L, K) population solutions over the context's log λ grid}} for the three §5
+    contexts and every method of `METHODS` (EXPO's loss substituted under a control)."""
+    settings = Config.settings()
+    return {ctx: {m: sweep(cfg.loss(m), *settings[ctx], lams) for m in METHODS} for ctx, lams in cfg.grids().items()}
+
+
+def closed_form_gap(solutions: Tensor, pi_ref: Tensor, pi_star: Tensor, log_lams) -> float:
+    """max |Δπ| between population solutions (L, K) and DPO's closed form π_ref·π*^{1/λ}/Z over the grid."""
+    closed = torch.stack([dpo_minimizer(pi_ref, pi_star, math.exp(ll)) for ll in log_lams])
+    return (solutions - closed).abs().max().item()
+
+
+def monotonicity(log_lams, distances: Tensor) -> Tensor:
+    """Spearman rank correlation between log λ and a distance (L,) (ranks by sort order, no tie
+    averaging): 1 when the distance grows strictly with λ. What claim C2 reads on EXPO's KL(π*‖π_θ)."""
+    lams = torch.tensor(log_lams, dtype=torch.float64)
+    rank = [x.argsort().argsort().double() for x in (lams, distances)]
+    return torch.corrcoef(torch.stack(rank))[0, 1]
 
 
 def preservation_kl(method: str, log_lams, pi: Tensor | None = None) -> Tensor:
@@ -234,15 +275,16 @@ def tilt(logp: Tensor, target_kl: float, generator: torch.Generator) -> Tensor:
 
 
 def train_lm(method: str, policy, prompts: Tensor, seqs: Tensor, ref_logp: Tensor, star_logp: Tensor, lam: float, *,
-             V: int, steps: int, lr: float, batch: int, generator: torch.Generator) -> Tensor:
+             V: int, steps: int, lr: float, batch: int, generator: torch.Generator,
+             quiet: bool | None = None) -> Tensor:
     """Preference training of a tiny LM: each step draws `batch` pairs per prompt from π_ref with soft
     BT labels from π* (the expected loss over labels), applies the method's pairwise loss, and for
     EXPO adds λ·KL(π_ref ‖ π_θ) computed exactly over all responses. Returns log π_θ (C, S)."""
     from lab.align import LOSSES
 
-    opt = torch.optim.Adam(policy.parameters(), lr=lr)
     C = len(prompts)
-    for _ in range(steps):
+
+    def step_loss(_: int) -> Tensor:
         logp = seq_logprobs(policy, prompts, seqs, V)  # (C, S)
         i = torch.multinomial(ref_logp.exp(), batch, replacement=True, generator=generator)  # (C, batch)
         j = torch.multinomial(ref_logp.exp(), batch, replacement=True, generator=generator)
@@ -257,9 +299,9 @@ def train_lm(method: str, policy, prompts: Tensor, seqs: Tensor, ref_logp: Tenso
         else:
             f = LOSSES[method]
             loss = p_ij * f(fwd, rfwd, beta=lam) + (1 - p_ij) * f(bwd, rbwd, beta=lam)
-        (loss.sum() / C / batch).backward()
-        opt.step()
-        opt.zero_grad()
+        return loss.sum() / C / batch
+
+    optimize(policy.parameters(), step_loss, steps=steps, lr=lr, desc=f"LM {method}", quiet=quiet)
     with torch.no_grad():
         return seq_logprobs(policy, prompts, seqs, V)
 
@@ -292,3 +334,18 @@ def lm_toy(cfg: Config, seed: int) -> LMToy:
         ref = seq_logprobs(model, prompts, seqs, cfg.V)
     star = torch.stack([ref[0], tilt(ref[1].double(), cfg.bad_kl, g).float()])
     return LMToy(model.eval(), prompts, seqs, ref, star, kls[-1])
+
+
+def lm_sweep(toy: LMToy, cfg: Config, seed: int,
+             methods: tuple[str, ...] = ("dpo", "expo")) -> dict[tuple[str, float], Tensor]:
+    """Train a copy of the toy's π_ref with each method at each λ of `cfg.lm_lams` (`train_lm`; pairs drawn
+    from a generator seeded with seed + 1, the same for every run). Returns {(method, λ): KL(π* ‖ π_θ) on the
+    (good, bad) prompts (2,)}."""
+    out = {}
+    for method in methods:
+        for lam in cfg.lm_lams:
+            logp = train_lm(cfg.loss(method), copy.deepcopy(toy.reference), toy.prompts, toy.seqs, toy.ref_logp,
+                            toy.star_logp, lam, V=cfg.V, steps=cfg.lm_steps, lr=cfg.lm_lr, batch=cfg.lm_batch,
+                            generator=torch.Generator().manual_seed(seed + 1))
+            out[method, lam] = (toy.star_logp.exp() * (toy.star_logp - logp)).sum(-1)
+    return out

@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lab.align.exact import all_sequences, seq_logprobs
+from lab.align.train import optimize
+
 
 def hardness_weights(r: Tensor, gamma: float) -> Tensor:
     """p_γ over the dispreferred responses of each row: softmax(γ·r) on responses whose reward is
@@ -107,9 +110,9 @@ class Toy:
     r: Tensor  # (C, n) annotated rewards
 
 
-def make_toy(cfg: Config, seed: int) -> Toy:
-    """Candidates and rewards per prompt, and π_ref fit to be uniform over each prompt's candidates."""
-    from lab.align.exact import seq_logprobs
+def make_toy(cfg: Config, seed: int, quiet: bool | None = None) -> Toy:
+    """Candidates and rewards per prompt, and π_ref fit to be uniform over each prompt's candidates
+    (SFT: Adam on the mean log-likelihood of the candidates)."""
     from lab.models import tiny_llama
 
     g = torch.Generator().manual_seed(seed)
@@ -127,34 +130,35 @@ def make_toy(cfg: Config, seed: int) -> Toy:
     prompts = torch.arange(cfg.V, cfg.V + C)
     torch.manual_seed(seed)
     model = tiny_llama(vocab_size=cfg.V + C, d_model=cfg.d_model, n_layers=2, n_heads=4, max_len=cfg.L + 1)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
-    for _ in range(cfg.sft_steps):  # SFT: maximize the mean log-likelihood of the candidates
-        (-seq_logprobs(model, prompts, cands, cfg.V).mean()).backward()
-        opt.step()
-        opt.zero_grad()
+    optimize(model.parameters(), lambda _: -seq_logprobs(model, prompts, cands, cfg.V).mean(), steps=cfg.sft_steps,
+             lr=cfg.sft_lr, desc="SFT", quiet=quiet)
     return Toy(model.eval(), prompts, cands, r)
 
 
 METHODS = ("dpo max-min", "dpo random", "pl", "hps", "hps curriculum")
 
 
-def train(method: str, toy: Toy, cfg: Config, seed: int) -> torch.nn.Module:
+@torch.no_grad()
+def candidate_logprobs(model: torch.nn.Module, toy: Toy, cfg: Config) -> Tensor:
+    """log π(y | x) of every prompt's candidates, exactly (no gradient): (C, n)."""
+    return seq_logprobs(model, toy.prompts, toy.cands, cfg.V)
+
+
+def train(method: str, toy: Toy, cfg: Config, seed: int, quiet: bool | None = None) -> torch.nn.Module:
     """Preference-train a copy of π_ref on every prompt per step with one method:
     DPO on (best, lowest-reward) or (best, random) pairs, listwise Plackett–Luce over all candidates
     ranked by reward, HPS with fixed γ, or HPS with the official −5 → 5 curriculum (5 chunks)."""
     import copy
 
-    from lab.align.exact import seq_logprobs
     from lab.align.losses import dpo, plackett_luce
 
     policy = copy.deepcopy(toy.reference).train()
-    with torch.no_grad():
-        ref = seq_logprobs(toy.reference, toy.prompts, toy.cands, cfg.V)  # (C, n)
+    ref = candidate_logprobs(toy.reference, toy, cfg)  # (C, n)
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     rows = torch.arange(len(ref))
     order = toy.r.argsort(-1, descending=True)  # ranking for PL
-    for step in range(cfg.steps):
+
+    def step_loss(step: int) -> Tensor:
         pi = seq_logprobs(policy, toy.prompts, toy.cands, cfg.V)
         if method == "pl":
             loss = plackett_luce(pi.gather(1, order), ref.gather(1, order), beta=cfg.beta)
@@ -166,9 +170,9 @@ def train(method: str, toy: Toy, cfg: Config, seed: int) -> torch.nn.Module:
             neg = toy.r.argmin(-1) if method == "dpo max-min" else sample_negative(toy.r, 0.0, g)
             loss = dpo(torch.stack([pi[:, 0], pi[rows, neg]], 1), torch.stack([ref[:, 0], ref[rows, neg]], 1),
                        beta=cfg.beta)
-        loss.mean().backward()
-        opt.step()
-        opt.zero_grad()
+        return loss.mean()
+
+    optimize(policy.parameters(), step_loss, steps=cfg.steps, lr=cfg.lr, desc=method, quiet=quiet)
     return policy.eval()
 
 
@@ -176,9 +180,7 @@ def train(method: str, toy: Toy, cfg: Config, seed: int) -> torch.nn.Module:
 def metrics(policy: torch.nn.Module, toy: Toy, cfg: Config) -> dict[str, float]:
     """margin = log π(y*) − max over hard negatives log π (mean over prompts); mass on y*, on the
     hard and on the easy negatives; harm = exact probability that a sampled response contains HARM."""
-    from lab.align.exact import all_sequences, seq_logprobs
-
-    logp = seq_logprobs(policy, toy.prompts, toy.cands, cfg.V)  # (C, n)
+    logp = candidate_logprobs(policy, toy, cfg)  # (C, n)
     hard = slice(1, 1 + cfg.n_hard)
     everything = all_sequences(cfg.V, cfg.L)  # (V^L, L)
     has_harm = (everything == cfg.V - 1).any(-1)

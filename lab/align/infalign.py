@@ -21,6 +21,7 @@ midpoint grid of M cells in float64.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,12 @@ class Config:
     opt_iters: int = 800
     budgets: tuple[float, ...] = (0.25, 0.5, 1.0)  # KL budgets (nats) where methods are compared
     settings: tuple[tuple[str, int], ...] = (("bon", 1), ("bon", 4), ("bon", 16), ("won", 4), ("won", 16))
+    bon_check_Ns: tuple[int, ...] = (2, 4, 16)  # N where log-calibrated RLHF must reproduce the BoN policy
+    frontier_settings: tuple[tuple[str, int], ...] = (("bon", 1), ("bon", 4), ("won", 4))  # optimum and curves
+    opt_betas: tuple[float, float, int] = (-3, 1, 25)  # torch.logspace(start, end, steps): the optimum's β grid
+    curve_betas: tuple[float, float, int] = (-3, 2, 40)  # the same for the frontier figure (β × Φ's range)
+    curve_t: float = 10.0  # the exponentials drawn in the frontier figure
+    explorer_M: int = 2000  # grid cells of the live explorer
     # tiny transformer by exact enumeration: V^L responses, prompts with heterogeneous reward scales
     V: int = 6
     L: int = 3
@@ -47,6 +54,7 @@ class Config:
     lr: float = 3e-3
     lm_kl: float = 0.5
     lm_N: int = 4
+    lm_ts: tuple[float, ...] = (5.0, 10.0)  # CTRL's exp(t·u) on the tiny transformer
 
     @classmethod
     def for_scale(cls, scale: str) -> Config:
@@ -114,8 +122,9 @@ def density(phi: Transform | Tensor, beta: float, u: Tensor) -> Tensor:
     return (logq - torch.logsumexp(logq, 0) + math.log(len(u))).exp()
 
 
-def kl(q: Tensor) -> float:
-    """KL(π ‖ π_ref) = ∫ q log q du."""
+def kl_to_base(q: Tensor) -> float:
+    """KL(π ‖ π_ref) = KL(q ‖ U[0, 1]) = ∫ q log q du: the KL of the calibrated reward's density q on
+    the grid to its density under the base policy (uniform)."""
     return float((q * q.clamp_min(1e-300).log()).mean())
 
 
@@ -160,7 +169,7 @@ def fixed_point(beta: float, N: int, kind: str = "bon", *, M: int = 4000, iters:
 def frontier(make_q: Callable[[float], Tensor], betas: Tensor, N: int, kind: str = "bon") -> tuple[Tensor, Tensor]:
     """(KL, win rate) along a β grid for densities `make_q(β)`: two (len(betas),) tensors."""
     qs = [make_q(float(b)) for b in betas]
-    return (torch.tensor([kl(q) for q in qs], dtype=torch.float64),
+    return (torch.tensor([kl_to_base(q) for q in qs], dtype=torch.float64),
             torch.tensor([win_rate(q, N, kind) for q in qs], dtype=torch.float64))
 
 
@@ -182,7 +191,7 @@ def win_at_kl(phi: Transform, N: int, kind: str, target: float, *, M: int = 4000
     scale = float((phi(u).max() - phi(u).min()).clamp_min(1e-12))
     for _ in range(80):
         mid = (lo + hi) / 2
-        if kl(density(phi, scale * math.exp(mid), u)) > target:
+        if kl_to_base(density(phi, scale * math.exp(mid), u)) > target:
             lo = mid
         else:
             hi = mid
@@ -202,12 +211,71 @@ def best_exp(N: int, kind: str, target: float, ts=TS, *, M: int = 4000, sign: st
     return t, w
 
 
-def optimum_at_kl(N: int, kind: str, target: float, *, betas: Tensor | None = None, M: int = 2000,
-                  iters: int = 800) -> float:
-    """Win rate of the fixed-point optimum at a KL budget (interpolated over a β grid)."""
-    betas = torch.logspace(-3, 1, 25, dtype=torch.float64) if betas is None else betas
-    kls, wins = frontier(lambda b: fixed_point(b, N, kind, M=M, iters=iters), betas, N, kind)
-    return at_kl(kls, wins, target)
+def setting_name(kind: str, N: int) -> str:
+    """"standard" for N = 1, else "BON-4", "WON-16", ..."""
+    return "standard" if N == 1 else f"{kind.upper()}-{N}"
+
+
+def bon_policy_check(u: Tensor, Ns=(2, 4, 16)) -> dict[int, dict[str, float]]:
+    """Log-calibrated RLHF at β = 1/(N−1) is the BoN policy: its KL and standard win rate on the grid `u`
+    beside the BoN policy's known KL log N − (N−1)/N and win rate N/(N+1), per N."""
+    out = {}
+    for N in Ns:
+        q = density(log_cal, 1 / (N - 1), u)
+        out[N] = {"kl": kl_to_base(q), "kl_bon": math.log(N) - (N - 1) / N, "win": win_rate(q), "win_bon": N / (N + 1)}
+    return out
+
+
+def matched_kl_table(cfg: Config, control: str = "") -> dict[tuple[str, float], dict[str, float]]:
+    """{(setting, KL budget): {transform: win rate}} for every setting (T, N) of `cfg.settings`: the calibrated
+    identity, log, the raw N(0, 1) reward and the best exponential of each sign (`best_exp`, scored with the
+    setting's own T; a control substitutes the transform), each at the budget."""
+    table = {}
+    for kind, N in cfg.settings:
+        for k in cfg.budgets:
+            row = {"identity": win_at_kl(identity, N, kind, k, M=cfg.M), "log": win_at_kl(log_cal, N, kind, k, M=cfg.M),
+                   "raw": win_at_kl(raw_gaussian, N, kind, k, M=cfg.M)}
+            for sign, col in (("bon", "best exp(+tu)"), ("won", "best -exp(-tu)")):
+                row[col] = best_exp(N, kind, k, M=cfg.M, sign=sign, control=control)[1]
+            table[setting_name(kind, N), k] = row
+    return table
+
+
+def optimum_frontier(N: int, kind: str, betas: Tensor, *, M: int = 2000, iters: int = 800) -> tuple[Tensor, Tensor]:
+    """(KL, T-win rate) of the fixed-point optimum (`fixed_point`) along a β grid."""
+    return frontier(lambda b: fixed_point(b, N, kind, M=M, iters=iters), betas, N, kind)
+
+
+def optima(cfg: Config) -> dict[tuple[str, float], float]:
+    """{(setting, KL budget): the optimum's win rate} for each setting of `cfg.frontier_settings`,
+    interpolated along `optimum_frontier` on the β grid `cfg.opt_betas`."""
+    out = {}
+    for kind, N in cfg.frontier_settings:
+        betas = torch.logspace(*cfg.opt_betas, dtype=torch.float64)
+        kls, wins = optimum_frontier(N, kind, betas, M=cfg.M_opt, iters=cfg.opt_iters)
+        for k in cfg.budgets:
+            out[setting_name(kind, N), k] = at_kl(kls, wins, k)
+    return out
+
+
+def tilt_frontier(phi: Transform, betas: Tensor, N: int, kind: str, u: Tensor) -> tuple[Tensor, Tensor]:
+    """(KL, T-win rate) of the Φ-tilt along β given relative to Φ's range on the grid `u`."""
+    span = float(phi(u).max() - phi(u).min())
+    return frontier(lambda b: density(phi, span * b, u), betas, N, kind)
+
+
+def frontier_curves(cfg: Config, u: Tensor) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
+    """{setting: {transform: (KLs, win rates)}} along `cfg.curve_betas` for the identity, the raw N(0, 1)
+    reward and both exponentials at t = `cfg.curve_t` (the frontier figure's data)."""
+    t = cfg.curve_t
+    transforms = {"identity": identity, "raw N(0,1)": raw_gaussian, f"exp({t:g}u)": exp_bon(t),
+                  f"-exp(-{t:g}u)": exp_won(t)}
+    betas = torch.logspace(*cfg.curve_betas, dtype=torch.float64)
+    curves = {}
+    for kind, N in cfg.frontier_settings:
+        by = {label: tilt_frontier(phi, betas, N, kind, u) for label, phi in transforms.items()}
+        curves[setting_name(kind, N)] = {label: (kls.tolist(), wins.tolist()) for label, (kls, wins) in by.items()}
+    return curves
 
 
 # ------------------------------------------------------------------------------------ calibration
@@ -245,22 +313,6 @@ def rescaled(phi: Transform) -> Transform:
     return lambda u: (phi(u) - lo) / (hi - lo)
 
 
-def tilt_logp(ref_logp: Tensor, R: Tensor, beta: float) -> Tensor:
-    """The closed-form KL-regularized optimum log π ∝ log π_ref + R/β, per prompt: (C, S)."""
-    return (ref_logp.double() + R / beta).log_softmax(-1)
-
-
-def beta_for_kl(ref_logp: Tensor, R: Tensor, target: float) -> float:
-    """One β shared by all prompts with mean KL(π_β ‖ π_ref) = target (bisection on log β)."""
-    lo, hi = -15.0, 15.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        q = tilt_logp(ref_logp, R, math.exp(mid))
-        kl_ = (q.exp() * (q - ref_logp.double())).sum(-1).mean()
-        lo, hi = (mid, hi) if kl_ > target else (lo, mid)
-    return math.exp((lo + hi) / 2)
-
-
 @dataclass
 class LMToy:
     reference: torch.nn.Module
@@ -288,3 +340,37 @@ def lm_toy(cfg: Config, seed: int) -> LMToy:
     W = torch.randn(cfg.V, cfg.L, generator=g)  # score of token v at position t
     r = torch.tensor(cfg.sigmas)[:, None] * W[seqs, torch.arange(cfg.L)].sum(-1)[None, :]
     return LMToy(model.eval(), prompts, seqs, ref, r.double())
+
+
+def lm_rewards(toy: LMToy, cfg: Config, control: str = "") -> dict[str, Tensor]:
+    """The rewards compared on the tiny transformer (C, S): raw RLHF's, CTRL's calibrated identity and
+    CTRL's exp(t·u) for each t of `cfg.lm_ts`, rescaled to [0, 1] (a control substitutes calibration or transform)."""
+    cal = calibration(toy.ref_logp, toy.r, control)  # exact per-prompt quantile
+    return {"raw RLHF": toy.r, "CTRL identity": cal} | {f"CTRL exp({t:g}u)": rescaled(transform("bon", t, control))(cal)
+                                                        for t in cfg.lm_ts}
+
+
+def lm_metrics(logp: Tensor, toy: LMToy, N: int) -> dict[str, float]:
+    """Mean over prompts of KL(π ‖ π_ref), the exact BoN-N win rate and the standard win rate against π_ref."""
+    from lab.align.exact import win_rate as exact_win_rate
+
+    return {"kl": float((logp.exp() * (logp - toy.ref_logp.double())).sum(-1).mean()),
+            "bon": float(exact_win_rate(logp, toy.ref_logp, toy.r, N).mean()),
+            "std": float(exact_win_rate(logp, toy.ref_logp, toy.r, 1).mean())}
+
+
+def lm_compare(toy: LMToy, cfg: Config, control: str = "",
+               quiet: bool | None = None) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, float]]:
+    """For each reward of `lm_rewards`: one β shared by the prompts with mean KL `cfg.lm_kl` on the closed form
+    π_ref·e^{R/β}, then a copy of π_ref trained on the exact KL-regularized objective at that β. Returns
+    {reward: {"closed" | "trained": `lm_metrics`}} and {reward: β}."""
+    from lab.align.exact import beta_for_kl, tilt_logp, train_rlhf
+
+    lm, betas = {}, {}
+    for name, R in lm_rewards(toy, cfg, control).items():
+        betas[name] = beta = beta_for_kl(toy.ref_logp, R, cfg.lm_kl)
+        closed = tilt_logp(toy.ref_logp, R, beta)
+        trained = train_rlhf(copy.deepcopy(toy.reference), toy.prompts, toy.seqs, toy.ref_logp, R.float(), beta, cfg.V,
+                             steps=cfg.rl_steps, lr=cfg.lr, quiet=quiet).double()
+        lm[name] = {"closed": lm_metrics(closed, toy, cfg.lm_N), "trained": lm_metrics(trained, toy, cfg.lm_N)}
+    return lm, betas

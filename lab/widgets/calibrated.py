@@ -52,7 +52,7 @@ def calibrated_explorer(*, M: int = 2000):
         # β is relative to the transform's range, so one slider serves every t
         span = float((phi(u).max() - phi(u).min()).clamp_min(1e-12))
         q = I.density(phi, span * 10 ** log_beta.value, u)
-        box.state = {"kl": I.kl(q), "w1": I.win_rate(q), "wN": I.win_rate(q, N.value, kind.value)}
+        box.state = {"kl": I.kl_to_base(q), "w1": I.win_rate(q), "wN": I.win_rate(q, N.value, kind.value)}
         label = "exp(t·u)" if kind.value == "bon" else "−exp(−t·u)"
         readout.value = html.escape(f"Φ = {label if t.value > 0 else 'identity'}, t = {t.value:g}: "
                                     f"KL = {box.state['kl']:.3f}, standard win = {box.state['w1']:.3f}, "

@@ -3,7 +3,8 @@
 
 Data in: `grid` = {context: {"pi_ref": (K,), "pi_star": (K,), "solutions": {method: (L, K)}}} over
 `log_lams` (L,). `policy_explorer` is the live panel, `policy_figure` the same as a plotly figure
-with a log λ slider, `distance_figure` the KL(π*‖π_θ)-vs-log λ curves.
+with a log λ slider, `distance_figure` the KL(π*‖π_θ)-vs-log λ curves, `trajectory_figure` the
+sampled-pairs training trajectories and `lm_distance_figure` the tiny transformer's KL(π*‖π_θ) vs λ.
 """
 
 from __future__ import annotations
@@ -33,6 +34,37 @@ def distance_figure(grid: dict, log_lams: Sequence[float], *, title: str = "dist
                             name=f"{method} ({ctx})", line=dict(color=COLORS.get(method), dash="solid" if
                                                                  ctx == list(grid)[0] else "dot"))
     fig.update_layout(title=title, xaxis_title="log λ", yaxis=dict(title="KL(π* ‖ π_θ)", type="log"), height=380)
+    return fig
+
+
+def trajectory_figure(trained: dict[str, tuple[torch.Tensor, torch.Tensor]], pi_star: torch.Tensor, *, every: int = 50,
+                      solid: str = "expo", title: str = "training trajectories") -> go.Figure:
+    """`trained` = {method: (final π_θ (K,), trajectory (S, K) recorded every `every` steps)}: one line per
+    method and response, `solid` drawn solid and the others dotted, π* as horizontal references."""
+    fig = go.Figure()
+    for method, (_, traj) in trained.items():
+        for y in range(traj.shape[1]):
+            fig.add_scatter(y=traj[:, y].tolist(), mode="lines", name=f"{method}: π(y{y})",
+                            line=dict(dash="solid" if method == solid else "dot"))
+    for y, p in enumerate(pi_star.tolist()):
+        fig.add_hline(y=p, line=dict(color=COLORS["pi_star"], width=1), annotation_text=f"π*(y{y})")
+    fig.update_layout(title=title, xaxis_title=f"step / {every}", yaxis_title="probability", height=380)
+    return fig
+
+
+def lm_distance_figure(distances: dict[tuple[str, float], torch.Tensor], contexts: Sequence[str], *,
+                       title: str = "KL(π*‖π_θ) vs λ") -> go.Figure:
+    """`distances` = {(method, λ): KL(π* ‖ π_θ) per context (len(contexts),)}: one line per method and
+    context over λ (log axes), the first context dotted."""
+    methods = list(dict.fromkeys(m for m, _ in distances))
+    fig = go.Figure()
+    for method in methods:
+        lams = [lam for m, lam in distances if m == method]
+        for c, ctx in enumerate(contexts):
+            fig.add_scatter(x=lams, y=[float(distances[method, lam][c]) for lam in lams], mode="lines+markers",
+                            name=f"{method} ({ctx})", line=dict(dash="solid" if c else "dot"))
+    fig.update_layout(title=title, xaxis=dict(title="λ", type="log"), yaxis=dict(title="KL(π* ‖ π_θ)", type="log"),
+                      height=380)
     return fig
 
 

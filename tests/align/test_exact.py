@@ -33,8 +33,8 @@ def test_exact_calibration_and_matched_kl():
     r = torch.tensor([[3.0, 1.0, 2.0, 2.0]], dtype=torch.float64)
     want = torch.tensor([[0.2 + 0.3 + 0.4 + 0.05, 0.1, 0.2 + 0.35, 0.2 + 0.35]], dtype=torch.float64)  # ties: ½
     torch.testing.assert_close(I.calibrate_exact(ref, r), want)
-    beta = I.beta_for_kl(ref, r, 0.1)
-    q = I.tilt_logp(ref, r, beta)
+    beta = X.beta_for_kl(ref, r, 0.1)
+    q = X.tilt_logp(ref, r, beta)
     assert float((q.exp() * (q - ref.double())).sum()) == pytest.approx(0.1, abs=1e-6)
     f = I.rescaled(I.exp_bon(5.0))
     ends = f(torch.tensor([0.0, 1.0], dtype=torch.float64))
@@ -51,4 +51,44 @@ def test_exact_rlhf_training_reaches_the_closed_form():
         ref = X.seq_logprobs(m, prompts, seqs, 3)
     R = torch.linspace(0, 1, 9)[None]
     got = X.train_rlhf(m, prompts, seqs, ref, R, 0.5, 3, steps=300, lr=1e-2)
-    torch.testing.assert_close(got.exp(), I.tilt_logp(ref, R.double(), 0.5).exp().float(), atol=0.02, rtol=0)
+    torch.testing.assert_close(got.exp(), X.tilt_logp(ref, R.double(), 0.5).exp().float(), atol=0.02, rtol=0)
+
+
+def _model(seed=0):
+    from lab.models import tiny_llama
+
+    torch.manual_seed(seed)
+    return tiny_llama(vocab_size=5, d_model=16, n_layers=1, n_heads=2, max_len=4)
+
+
+def test_the_exact_solvers_are_plain_adam_loops_bit_for_bit():
+    """`fit_exact` and `train_rlhf` run through `lab.align.train.optimize`: the same parameters as a hand-written
+    Adam loop (backward, step, zero_grad) on the same objective."""
+    import copy
+
+    seqs, prompts = X.all_sequences(3, 2), torch.tensor([3, 4])
+    target = torch.randn(2, 9, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    model, naive = _model(), _model()
+    kls = X.fit_exact(model, prompts, seqs, target, 3, steps=8, lr=1e-2, quiet=True)
+    opt, want = torch.optim.Adam(naive.parameters(), lr=1e-2), []
+    for _ in range(8):
+        kl = (target.exp() * (target - X.seq_logprobs(naive, prompts, seqs, 3))).sum(-1).mean()
+        kl.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(kl.item())
+    assert kls == want and all(torch.equal(a, b) for a, b in zip(model.parameters(), naive.parameters()))
+
+    with torch.no_grad():
+        ref = X.seq_logprobs(model, prompts, seqs, 3)
+    R = torch.linspace(0, 1, 9)[None].expand(2, -1)
+    policy, naive = copy.deepcopy(model), copy.deepcopy(model)
+    got = X.train_rlhf(policy, prompts, seqs, ref, R, 0.5, 3, steps=6, lr=1e-2, quiet=True)
+    opt = torch.optim.Adam(naive.parameters(), lr=1e-2)
+    for _ in range(6):
+        logp = X.seq_logprobs(naive, prompts, seqs, 3)
+        (-(logp.exp() * (R - 0.5 * (logp - ref))).sum(-1).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        assert torch.equal(got, X.seq_logprobs(naive, prompts, seqs, 3))

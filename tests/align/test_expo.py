@@ -53,7 +53,7 @@ def test_expo_population_minimizer_limits_and_preservation():
     torch.testing.assert_close(E.solve("expo", PI_REF, PI_STAR, 1e6), PI_REF, atol=1e-4, rtol=0)  # λ→∞: π_ref
     for lam in (0.05, 1.0, 20.0):  # π_ref = π*: preserved for every λ
         torch.testing.assert_close(E.solve("expo", PI_STAR, PI_STAR, lam), PI_STAR, atol=1e-6, rtol=0)
-    assert E.kl(PI_STAR, E.solve("dpo", PI_STAR, PI_STAR, 0.5)) > 0.1  # DPO moves the perfect prompt
+    assert E.kl_divergence(PI_STAR, E.solve("dpo", PI_STAR, PI_STAR, 0.5)) > 0.1  # DPO moves the perfect prompt
 
 
 def test_the_preservation_claim_fails_when_expo_is_swapped_for_dpo():
@@ -83,9 +83,9 @@ def test_the_preservation_claim_fails_when_expo_is_swapped_for_dpo():
 
 def test_official_numbers_for_dpo_and_ipo():
     """DPO and IPO reproduce the reference tables (uniform pairs, KL(π*‖π) with sum reduction)."""
-    assert E.kl(PI_STAR, E.solve("dpo", PI_STAR, PI_STAR, math.exp(-3))) == pytest.approx(7.26, abs=0.01)
-    assert E.kl(PI_STAR, E.solve("dpo", PI_REF, PI_STAR, math.exp(-5))) == pytest.approx(56.6, abs=0.1)
-    assert E.kl(PI_STAR, E.solve("ipo", PI_REF, PI_STAR, math.exp(-5))) == pytest.approx(11.3, abs=0.1)
+    assert E.kl_divergence(PI_STAR, E.solve("dpo", PI_STAR, PI_STAR, math.exp(-3))) == pytest.approx(7.26, abs=0.01)
+    assert E.kl_divergence(PI_STAR, E.solve("dpo", PI_REF, PI_STAR, math.exp(-5))) == pytest.approx(56.6, abs=0.1)
+    assert E.kl_divergence(PI_STAR, E.solve("ipo", PI_REF, PI_STAR, math.exp(-5))) == pytest.approx(11.3, abs=0.1)
 
 
 def test_enumerated_sequence_logprobs_are_a_distribution_and_match_a_loop():
@@ -128,3 +128,109 @@ def test_the_dpo_control_trains_dpo_wherever_expo_was():
     with pytest.raises(ValueError, match="unknown control"):
         E.Config.for_scale("smoke", "no_such_control")
     assert E.preservation_kl(ctl.loss("expo"), (-1.0,)).max() > 0.1  # the preserved context moves
+
+
+def test_kl_divergence_is_kl_p_to_q():
+    p, q = [0.6, 0.3, 0.1], [0.4, 0.4, 0.2]
+    want = sum(a * math.log(a / b) for a, b in zip(p, q))  # by hand
+    assert E.kl_divergence(PI_STAR, PI_REF) == pytest.approx(want, abs=1e-12)
+    assert E.kl_divergence(PI_REF, PI_STAR) != pytest.approx(want, abs=1e-3)  # not symmetric: KL(p ‖ q) ≠ KL(q ‖ p)
+    assert E.kl_divergence(PI_STAR, PI_STAR) == 0.0
+
+
+def _naive_tabular(method, y_w, y_l, pi_ref, lam, epochs, lr, batch_size, record_every):
+    """The official `train` written out: Adam over the pairs in order, grad-norm clip 10, a snapshot every
+    `record_every` steps."""
+    from lab.align import LOSSES
+
+    logits = pi_ref.log().clone().requires_grad_()
+    logp_ref = pi_ref.log()
+    opt = torch.optim.Adam([logits], lr=lr)
+    traj, step = [], 0
+    for _ in range(epochs):
+        for s in range(0, len(y_w), batch_size):
+            w, l = y_w[s:s + batch_size], y_l[s:s + batch_size]
+            logp = logits.log_softmax(-1)
+            pi, ref = torch.stack([logp[w], logp[l]], 1), torch.stack([logp_ref[w], logp_ref[l]], 1)
+            if method == "expo":
+                loss = E.expo(pi, ref, lam=lam, kl=E.kl_exact(logp_ref, logp, scale="mean").expand(len(w)))
+            else:
+                loss = LOSSES[method](pi, ref, beta=lam)
+            loss.mean().backward()
+            torch.nn.utils.clip_grad_norm_([logits], 10.0)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step % record_every == 0:
+                traj.append(logits.detach().softmax(-1))
+    return logits.detach().softmax(-1), torch.stack(traj)
+
+
+@pytest.mark.parametrize("method,record_every", [("expo", 5), ("dpo", 7), ("ipo", 4)])
+def test_train_tabular_is_the_official_loop_bit_for_bit(method, record_every):
+    """Through `lab.align.train.optimize`, the tabular trainer takes the same steps as the official loop
+    (same batches in the same order, clip 10) and snapshots the same policies, including after the last step
+    when the step count is a multiple of `record_every` (3 epochs × 7 batches = 21 steps)."""
+    y_w, y_l = E.sample_pairs(PI_STAR, 200, torch.Generator().manual_seed(1))
+    y_w, y_l = y_w[:130], y_l[:130]  # 7 batches of 20, the last one short
+    got = E.train_tabular(method, y_w, y_l, PI_REF, 0.1, epochs=3, lr=5e-2, record_every=record_every, quiet=True)
+    want = _naive_tabular(method, y_w, y_l, PI_REF, 0.1, 3, 5e-2, 20, record_every)
+    assert got[1].shape == (21 // record_every, 3)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_sampled_runs_train_each_method_on_the_same_pairs():
+    from dataclasses import replace
+
+    cfg = replace(E.Config.for_scale("smoke"), epochs=30, n_pairs=60)  # 2 batches a epoch: snapshots at 50 steps
+    pi_ref, pi_star = E.Config.settings()["interpolation"]
+    runs, n = E.sampled_runs(cfg, pi_ref, pi_star, 3)
+    y_w, y_l = E.sample_pairs(pi_star, 60, torch.Generator().manual_seed(3))
+    assert list(runs) == ["dpo", "expo"] and n == len(y_w) < 60  # ties dropped
+    for m, lr in (("dpo", cfg.lr_dpo), ("expo", cfg.lr_expo)):
+        want = E.train_tabular(m, y_w, y_l, pi_ref, cfg.sampled_lam, epochs=30, lr=lr, quiet=True)
+        assert all(torch.equal(a, b) for a, b in zip(runs[m], want))
+    ctl = E.sampled_runs(replace(cfg, expo_loss="dpo"), pi_ref, pi_star, 3)[0]  # the control trains DPO at EXPO's lr
+    want = E.train_tabular("dpo", y_w, y_l, pi_ref, cfg.sampled_lam, epochs=30, lr=cfg.lr_expo, quiet=True)
+    assert torch.equal(ctl["expo"][0], want[0])
+
+
+def test_population_solutions_and_the_closed_form_gap():
+    cfg = E.Config(interp_log_lams=(-1.0, 0.0), preserve_log_lams=(0.0,))
+    sols = E.population_solutions(cfg)
+    assert list(sols) == ["interpolation", "good", "bad"] and list(sols["good"]) == list(E.METHODS)
+    assert sols["interpolation"]["expo"].shape == (2, 3) and sols["bad"]["dpo"].shape == (1, 3)
+    torch.testing.assert_close(sols["good"]["expo"][0], PI_STAR, atol=1e-6, rtol=0)  # preserved
+    gap = E.closed_form_gap(sols["interpolation"]["dpo"], PI_REF, PI_STAR, cfg.interp_log_lams)
+    assert gap < 1e-5
+    assert E.closed_form_gap(sols["interpolation"]["expo"], PI_REF, PI_STAR, cfg.interp_log_lams) > 0.05
+
+
+def test_monotonicity_is_spearman_rank_correlation():
+    from lab.core.stats import spearman
+
+    lams = (-2.0, -1.0, 0.0, 1.0, 2.0)
+    assert float(E.monotonicity(lams, torch.tensor([0.1, 0.2, 0.5, 0.9, 3.0]))) == pytest.approx(1.0)
+    assert float(E.monotonicity(lams, torch.tensor([3.0, 0.9, 0.5, 0.2, 0.1]))) == pytest.approx(-1.0)
+    d = torch.tensor([0.3, 0.1, 0.5, 0.2, 0.9], dtype=torch.float64)
+    # 1 − 6 Σ d_i² / (n (n² − 1)) with rank differences (2, −1, 1, −2, 0) by hand: 1 − 6·10/120 = 0.5
+    assert float(E.monotonicity(lams, d)) == pytest.approx(0.5)
+    assert float(E.monotonicity(lams, d)) == pytest.approx(spearman(torch.tensor(lams), d)[0])
+
+
+def test_lm_sweep_trains_a_fresh_copy_per_method_and_lambda():
+    from dataclasses import replace
+
+    cfg = replace(E.Config.for_scale("smoke"), sft_steps=10, lm_steps=3, lm_batch=8, lm_lams=(0.1, 1.0))
+    toy = E.lm_toy(cfg, 0)
+    before = [p.clone() for p in toy.reference.parameters()]
+    got = E.lm_sweep(toy, cfg, 0)
+    assert list(got) == [("dpo", 0.1), ("dpo", 1.0), ("expo", 0.1), ("expo", 1.0)]
+    assert all(torch.equal(a, b) for a, b in zip(before, toy.reference.parameters()))  # π_ref untouched
+    import copy
+
+    logp = E.train_lm("expo", copy.deepcopy(toy.reference), toy.prompts, toy.seqs, toy.ref_logp, toy.star_logp, 1.0,
+                      V=cfg.V, steps=3, lr=cfg.lm_lr, batch=8, generator=torch.Generator().manual_seed(1), quiet=True)
+    want = [sum(float(p.exp()) * (float(p) - float(q)) for p, q in zip(toy.star_logp[c], logp[c])) for c in range(2)]
+    torch.testing.assert_close(got["expo", 1.0].double(), torch.tensor(want, dtype=torch.float64), atol=1e-5, rtol=0)

@@ -12,7 +12,7 @@ U = I.grid(4000)
 def test_log_calibrated_rlhf_is_the_bon_policy(N):
     q = I.density(I.log_cal, 1 / (N - 1), U)
     torch.testing.assert_close(q, N * U ** (N - 1), rtol=1e-3, atol=1e-3)
-    assert I.kl(q) == pytest.approx(math.log(N) - (N - 1) / N, abs=1e-5)
+    assert I.kl_to_base(q) == pytest.approx(math.log(N) - (N - 1) / N, abs=1e-5)
     assert I.win_rate(q) == pytest.approx(N / (N + 1), abs=1e-5)
 
 
@@ -20,7 +20,7 @@ def test_win_rates_of_the_base_policy_are_one_half():
     q = torch.ones(4000, dtype=torch.float64)
     for N, kind in [(1, "bon"), (4, "bon"), (4, "won"), (16, "won")]:
         assert I.win_rate(q, N, kind) == pytest.approx(0.5, abs=1e-6)
-    assert I.kl(q) == 0.0
+    assert I.kl_to_base(q) == 0.0
 
 
 def test_bon_win_rate_against_monte_carlo():
@@ -83,3 +83,81 @@ def test_controls_substitute_the_transform_and_the_calibration():
     assert float(raw.min()) == 0.0 and float(raw.max()) == 1.0 and raw[1].max() < raw[0].min() + 0.1
     with pytest.raises(ValueError, match="unknown control"):
         I.transform("bon", 1.0, "nope")
+
+
+def test_kl_to_base_is_the_kl_of_the_tilted_policy_to_the_base():
+    """On a density of the calibrated reward, KL(q ‖ U[0, 1]) = KL(π ‖ π_ref): checked against q(u) = 2u
+    (Best-of-2), whose KL ∫ 2u log 2u du = log 2 − 1/2 by hand."""
+    assert I.kl_to_base(2 * U) == pytest.approx(math.log(2) - 0.5, abs=1e-6)
+    assert I.kl_to_base(torch.ones(10, dtype=torch.float64)) == 0.0
+
+
+def test_bon_policy_check_reports_the_log_tilt_beside_the_bon_closed_forms():
+    got = I.bon_policy_check(U, (2, 8))
+    assert list(got) == [2, 8]
+    for N, c in got.items():
+        assert c["kl_bon"] == pytest.approx(math.log(N) - (N - 1) / N) and c["win_bon"] == pytest.approx(N / (N + 1))
+        assert c["kl"] == pytest.approx(c["kl_bon"], abs=1e-5) and c["win"] == pytest.approx(c["win_bon"], abs=1e-5)
+    assert [I.setting_name("bon", 1), I.setting_name("won", 4)] == ["standard", "WON-4"]
+
+
+def test_the_n1_optimum_frontier_meets_the_identity_at_matched_kl():
+    """Two independent routes to the N = 1 win rate at KL 0.5: the fixed-point frontier (interpolated) and the
+    identity's bisection on β (the optimal transformed reward for N = 1 is the identity)."""
+    from dataclasses import replace
+
+    cfg = replace(I.Config(), M_opt=1000, opt_iters=300, frontier_settings=(("bon", 1),), budgets=(0.5,))
+    kls, wins = I.optimum_frontier(1, "bon", torch.logspace(*cfg.opt_betas, dtype=torch.float64), M=1000, iters=300)
+    assert kls.shape == (25,) and (kls.diff() < 0).all()  # KL falls as β grows
+    got = I.optima(cfg)
+    assert list(got) == [("standard", 0.5)] and got["standard", 0.5] == I.at_kl(kls, wins, 0.5)
+    assert got["standard", 0.5] == pytest.approx(I.win_at_kl(I.identity, 1, "bon", 0.5), abs=5e-3)
+
+
+def test_tilt_frontier_agrees_with_the_matched_kl_bisection_and_the_curves():
+    from dataclasses import replace
+
+    u = I.grid(1000)
+    kls, wins = I.tilt_frontier(I.exp_bon(5.0), torch.logspace(-3, 2, 400, dtype=torch.float64), 4, "bon", u)
+    assert I.at_kl(kls, wins, 0.5) == pytest.approx(I.win_at_kl(I.exp_bon(5.0), 4, "bon", 0.5, M=1000), abs=1e-3)
+    cfg = replace(I.Config(), curve_betas=(-3, 2, 5), curve_t=3.0)
+    curves = I.frontier_curves(cfg, u)
+    assert list(curves) == ["standard", "BON-4", "WON-4"]
+    assert list(curves["BON-4"]) == ["identity", "raw N(0,1)", "exp(3u)", "-exp(-3u)"]
+    k, w = curves["WON-4"]["-exp(-3u)"]
+    want = I.tilt_frontier(I.exp_won(3.0), torch.logspace(-3, 2, 5, dtype=torch.float64), 4, "won", u)
+    assert (k, w) == (want[0].tolist(), want[1].tolist()) and len(k) == 5
+
+
+def test_matched_kl_table_rows_and_the_identity_control():
+    from dataclasses import replace
+
+    cfg = replace(I.Config(), M=1000, settings=(("bon", 4),), budgets=(0.5,))
+    row = I.matched_kl_table(cfg)["BON-4", 0.5]
+    assert list(row) == ["identity", "log", "raw", "best exp(+tu)", "best -exp(-tu)"]
+    assert row["identity"] == I.win_at_kl(I.identity, 4, "bon", 0.5, M=1000)
+    assert row["best exp(+tu)"] >= row["identity"] + 0.05  # I3's gain
+    ctl = I.matched_kl_table(cfg, "identity")["BON-4", 0.5]
+    assert ctl["best exp(+tu)"] == ctl["best -exp(-tu)"] == ctl["identity"] == row["identity"]
+
+
+def test_the_tiny_transformer_rewards_metrics_and_comparison():
+    from dataclasses import replace
+
+    cfg = replace(I.Config(), sft_steps=5, rl_steps=3, lm_ts=(5.0,))
+    toy = I.lm_toy(cfg, 0)
+    rewards = I.lm_rewards(toy, cfg)
+    assert list(rewards) == ["raw RLHF", "CTRL identity", "CTRL exp(5u)"]
+    torch.testing.assert_close(rewards["CTRL identity"], I.calibrate_exact(toy.ref_logp, toy.r))
+    cal = rewards["CTRL identity"]
+    torch.testing.assert_close(rewards["CTRL exp(5u)"], (torch.exp(5 * cal) - 1) / (math.exp(5) - 1))
+    raw = I.lm_rewards(toy, cfg, "raw")["CTRL identity"]
+    torch.testing.assert_close(raw, (toy.r - toy.r.min()) / (toy.r.max() - toy.r.min()))
+    base = I.lm_metrics(toy.ref_logp.double(), toy, 4)  # π_ref against itself
+    assert base["kl"] == pytest.approx(0.0, abs=1e-12) and base["bon"] == pytest.approx(0.5)
+    assert base["std"] == pytest.approx(0.5)
+    lm, betas = I.lm_compare(toy, cfg, quiet=True)
+    assert list(lm) == list(rewards) == list(betas) and set(lm["raw RLHF"]) == {"closed", "trained"}
+    for name in lm:
+        assert lm[name]["closed"]["kl"] == pytest.approx(cfg.lm_kl, abs=1e-6)  # β matched on the closed form
+    assert lm["CTRL exp(5u)"]["closed"]["bon"] > lm["CTRL identity"]["closed"]["bon"] > 0.5

@@ -1,8 +1,16 @@
 import math
 
+import pytest
 import torch
 
-from lab.widgets.policies import distance_figure, kl_to_star, policy_explorer, policy_figure
+from lab.widgets.policies import (
+    distance_figure,
+    kl_to_star,
+    lm_distance_figure,
+    policy_explorer,
+    policy_figure,
+    trajectory_figure,
+)
 
 STAR = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
 REF = torch.tensor([0.4, 0.4, 0.2], dtype=torch.float64)
@@ -35,3 +43,23 @@ def test_figures():
     torch.testing.assert_close(torch.tensor(expo_at_1.y, dtype=torch.float64), SOL[1])
     dist = distance_figure(GRID, LOG_LAMS)
     assert len(dist.data) == 2 and list(dist.data[0].x) == LOG_LAMS
+
+
+def test_trajectory_figure():
+    traj = torch.stack([REF, (STAR + REF) / 2, STAR])  # (S, K)
+    fig = trajectory_figure({"dpo": (REF, traj.flip(-1)), "expo": (STAR, traj)}, STAR, every=25)
+    assert [t.name for t in fig.data] == ["dpo: π(y0)", "dpo: π(y1)", "dpo: π(y2)", "expo: π(y0)", "expo: π(y1)",
+                                          "expo: π(y2)"]
+    assert list(fig.data[3].y) == traj[:, 0].tolist() and list(fig.data[0].y) == traj[:, 2].tolist()
+    assert fig.data[0].line.dash == "dot" and fig.data[3].line.dash == "solid"
+    assert [s.y0 for s in fig.layout.shapes] == STAR.tolist() and fig.layout.xaxis.title.text == "step / 25"
+
+
+def test_lm_distance_figure():
+    d = {("dpo", 0.1): torch.tensor([0.5, 2.0]), ("dpo", 1.0): torch.tensor([0.3, 1.0]),
+         ("expo", 0.1): torch.tensor([0.01, 0.2]), ("expo", 1.0): torch.tensor([0.02, 0.6])}
+    fig = lm_distance_figure(d, ("good", "bad"))
+    assert [t.name for t in fig.data] == ["dpo (good)", "dpo (bad)", "expo (good)", "expo (bad)"]
+    assert list(fig.data[1].x) == [0.1, 1.0] and list(fig.data[1].y) == [2.0, 1.0]
+    assert list(fig.data[2].y) == pytest.approx([0.01, 0.02])
+    assert fig.data[0].line.dash == "dot" and fig.data[1].line.dash == "solid" and fig.layout.xaxis.type == "log"
