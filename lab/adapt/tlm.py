@@ -29,14 +29,14 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from lab.core import progress
 from lab.data.domains import MarkovDomains, answer_scores
-from lab.models import TrainConfig, TrainResult, fit, tiny_llama
+from lab.models import TinyLM, TrainResult
 
 
 def add_lora(model, *, r: int = 8, alpha: int = 16, targets: tuple[str, ...] = ("q_proj", "v_proj")):
@@ -217,13 +217,7 @@ class Config:
     SEL (log P0 from `select_frac`, λ), the baselines, online TLM's chunk, and the control."""
 
     domains: MarkovDomains = field(default_factory=MarkovDomains)
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    max_len: int = 32
-    pretrain_steps: int = 500
-    pretrain_batch: int = 64
-    pretrain_lr: float = 3e-3
+    base: TinyLM = TinyLM(d_model=64, n_layers=2, n_heads=4, max_len=32, steps=500, batch_size=64, lr=3e-3)
     n_stream: int = 300  # unlabeled target inputs: what test-time learning sees
     n_held: int = 200  # held-out target questions with answers
     n_source: int = 200  # source questions (forgetting)
@@ -247,7 +241,7 @@ class Config:
         control pass through."""
         if control and control not in CONTROLS:
             raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
-        sizes = {} if scale == "smoke" else {"n_stream": 1000, "pretrain_steps": 1500}
+        sizes = {} if scale == "smoke" else {"n_stream": 1000, "base": replace(cls.base, steps=1500)}
         return cls(**sizes, select_frac=select_frac, lr=lr, control=control)
 
     @property
@@ -257,11 +251,6 @@ class Config:
     @property
     def tlm_lr(self) -> float:
         return 0.0 if self.control == "no_adapt" else self.lr
-
-    def base_model(self):
-        """A fresh, untrained base model (the trainer seeds before calling it)."""
-        return tiny_llama(vocab_size=len(self.domains.tokenizer), d_model=self.d_model, n_layers=self.n_layers,
-                          n_heads=self.n_heads, max_len=self.max_len)
 
 
 @torch.no_grad()
@@ -307,8 +296,7 @@ def build(cfg: Config, seed: int, device: str = "cpu") -> Toy:
     """Pre-train (or load from the cache) the base model on the source domain, draw the test streams, and set
     log P0 so that `cfg.select_frac` of the stream is selected by the base model's CE."""
     dom = cfg.domains
-    run = fit(cfg.base_model, dom, TrainConfig(steps=cfg.pretrain_steps, batch_size=cfg.pretrain_batch,
-                                               lr=cfg.pretrain_lr, seed=seed), device=device)
+    run = cfg.base.fit(dom, len(dom.tokenizer), seed=seed, device=device)
     g = torch.Generator().manual_seed(cfg.data_seed + seed)
     stream = dom.sample(cfg.n_stream, "target", g)  # unlabeled: only stream["input"] is used
     held, source = dom.sample(cfg.n_held, "target", g), dom.sample(cfg.n_source, "source", g)

@@ -32,7 +32,6 @@ import copy
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +40,7 @@ from torch import Tensor
 from lab.align.train import optimize, response_logps, train_pairs
 from lab.core.params import check_control
 from lab.data.arith import RESPONSE_LEN, TrickyArithmetic, take
-from lab.models import TrainConfig, TrainResult, fit, tiny_llama
+from lab.models import TinyLM, TrainResult
 from lab.models.sample import mean_pass_at_k, sample, sample_responses
 
 Grade = Callable[[Tensor, Tensor], Tensor]  # (question rows (m,), responses (m, k, L)) -> correct (m, k) bool
@@ -61,13 +60,7 @@ class Config:
 
     flip: float = 0.6
     max_step: int = 2
-    d_model: int = 64
-    n_layers: int = 1
-    n_heads: int = 4
-    max_len: int = 16
-    base_steps: int = 400
-    base_batch: int = 64
-    base_lr: float = 3e-3
+    base: TinyLM = TinyLM(d_model=64, n_layers=1, n_heads=4, max_len=16, steps=400, batch_size=64, lr=3e-3)
     n_test: int = 500  # held-out questions for greedy accuracy
     n_train: int = 300  # questions sampled for the pairs
     n_samples: int = 16  # N trajectories per training question
@@ -241,10 +234,7 @@ def train_arm(base, pairs: dict[str, Tensor], arm: str, *, gamma: float, **kw) -
 
 def base_model(task: TrickyArithmetic, cfg: Config, *, seed: int, device: str) -> TrainResult:
     """The base: a tiny Llama trained on the task's noisy traces (cached by config)."""
-    build = partial(tiny_llama, vocab_size=len(task.tokenizer), d_model=cfg.d_model, n_layers=cfg.n_layers,
-                    n_heads=cfg.n_heads, max_len=cfg.max_len)
-    return fit(build, task, TrainConfig(steps=cfg.base_steps, batch_size=cfg.base_batch, lr=cfg.base_lr, seed=seed),
-               device=device)
+    return cfg.base.fit(task, len(task.tokenizer), seed=seed, device=device)
 
 
 @dataclass

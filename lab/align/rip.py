@@ -30,7 +30,7 @@ from lab.align import losses
 from lab.align.train import train_pairs
 from lab.core.params import check_control
 from lab.data.instructions import RESPONSE_LEN, InstructionWorld
-from lab.models import TrainConfig, TrainResult, fit, tiny_llama
+from lab.models import TinyLM, TrainResult
 from lab.models.sample import sample_responses
 
 CONTROLS = {"random_filter": "RIP's filter replaced by a uniformly random subset of the valid pairs of the same size "
@@ -43,13 +43,7 @@ class Config:
     pool of prompts with N samples each, a fresh pool for Self-RIP's post-filter, identical DPO on each
     subset (β = 0.1, lr 3e-4, batch 32, reference = the seed model)."""
 
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    max_len: int = 20
-    sft_steps: int = 150
-    sft_batch: int = 64
-    sft_lr: float = 3e-3
+    base: TinyLM = TinyLM(d_model=64, n_layers=2, n_heads=4, max_len=20, steps=150, batch_size=64, lr=3e-3)
     n_eval: int = 400  # held-out clean prompts scored after each DPO run
     eval_samples: int = 4  # sampled responses per evaluation prompt (T = 1), beside the greedy one
     n_pool: int = 800
@@ -148,10 +142,7 @@ def bad_fraction(mask: Tensor, bad: Tensor) -> float:
 
 def seed_model(world: InstructionWorld, cfg: Config, *, seed: int, device: str) -> TrainResult:
     """The seed model: a tiny Llama SFT'd on the world's clean and truncated prompts (cached by config)."""
-    build = partial(tiny_llama, vocab_size=len(world.tokenizer), d_model=cfg.d_model, n_layers=cfg.n_layers,
-                    n_heads=cfg.n_heads, max_len=cfg.max_len)
-    return fit(build, world, TrainConfig(steps=cfg.sft_steps, batch_size=cfg.sft_batch, lr=cfg.sft_lr, seed=seed),
-               device=device)
+    return cfg.base.fit(world, len(world.tokenizer), seed=seed, device=device)
 
 
 def make_pool(world: InstructionWorld, model, n: int, bad_frac: float, N: int, *, generator: torch.Generator,

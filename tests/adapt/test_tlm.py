@@ -1,5 +1,6 @@
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -135,8 +136,8 @@ def test_the_notebook_controls_substitutions():
 
 def small(**kw):
     """A toy small enough for a unit test (20 stream inputs: log P0 at the 0.1 quantile selects 18)."""
-    return T.Config(d_model=16, n_layers=1, n_heads=2, pretrain_steps=20, pretrain_batch=8, n_stream=20, n_held=6,
-                    n_source=6, probe_every=4, chunk=4, **kw)
+    return T.Config(base=replace(T.Config.base, d_model=16, n_layers=1, n_heads=2, steps=20, batch_size=8),
+                    n_stream=20, n_held=6, n_source=6, probe_every=4, chunk=4, **kw)
 
 
 def test_config_sizes_knobs_and_controls():
@@ -145,16 +146,29 @@ def test_config_sizes_knobs_and_controls():
     from lab.cli import declared_controls
 
     smoke, full = T.Config.for_scale("smoke"), T.Config.for_scale("full")
-    assert (smoke.n_stream, smoke.pretrain_steps) == (300, 500) and (full.n_stream, full.pretrain_steps) == (1000, 1500)
+    assert (smoke.n_stream, smoke.base.steps) == (300, 500) and (full.n_stream, full.base.steps) == (1000, 1500)
+    assert replace(full.base, steps=500) == smoke.base  # full changes only the pre-training steps
     cfg = T.Config.for_scale("smoke", select_frac=0.5, lr=2e-3)
     assert (cfg.select_frac, cfg.lr, cfg.tlm_lr, cfg.sel) == (0.5, 2e-3, 2e-3, True)
     assert T.Config.for_scale("smoke", control="no_sel").sel is False
     assert T.Config.for_scale("smoke", lr=2e-3, control="no_adapt").tlm_lr == 0.0
     with pytest.raises(ValueError, match="no_sel"):
         T.Config.for_scale("smoke", control="no_lora")
-    assert smoke.base_model().config.vocab_size == len(smoke.domains.tokenizer)
+    assert smoke.base.build(len(smoke.domains.tokenizer)).config.vocab_size == len(smoke.domains.tokenizer)
     nb = Path(__file__).resolve().parents[2] / "notebooks" / "03_tlm.ipynb"
     assert set(declared_controls(nb)) == set(T.CONTROLS)
+
+
+def test_base_keeps_the_cache_key_of_the_hand_built_pretraining():
+    from lab.models import TrainConfig
+    from lab.models.train import cache_key
+
+    for scale, steps in (("smoke", 500), ("full", 1500)):
+        cfg = T.Config.for_scale(scale)
+        dom, V = cfg.domains, len(cfg.domains.tokenizer)
+        ref = tiny_llama(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_len=32)
+        assert cache_key(cfg.base.build(V), dom, cfg.base.train_config(3)) == \
+            cache_key(ref, dom, TrainConfig(steps=steps, batch_size=64, lr=3e-3, seed=3))
 
 
 def test_evaluate_adds_the_questions_own_perplexity():
@@ -162,7 +176,7 @@ def test_evaluate_adds_the_questions_own_perplexity():
 
     cfg = small()
     torch.manual_seed(0)
-    m = cfg.base_model().eval()
+    m = cfg.base.build(len(cfg.domains.tokenizer)).eval()
     data = cfg.domains.sample(3, "target", torch.Generator().manual_seed(0))
     got = T.evaluate(m, data, generator=torch.Generator(), device="cpu")
     assert list(got) == ["acc", "rougeL", "out_ppl", "in_ppl"]

@@ -316,8 +316,8 @@ def test_best_lrs_by_run_and_chosen_drop_by_hand():
 
 def test_pipeline_pairs_models_and_sweep_follow_the_steps_by_hand():
     task = TrickyArithmetic(flip=0.6, max_step=2)
-    cfg = replace(C.Config(), base_steps=30, sft_steps=3, sft_batch=4, steps=2, batch_size=4, every=1,
-                  arms=("dpo", "cdpo"), lrs=(1e-3,))
+    cfg = replace(C.Config(), base=replace(C.Config.base, steps=30), sft_steps=3, sft_batch=4, steps=2, batch_size=4,
+                  every=1, arms=("dpo", "cdpo"), lrs=(1e-3,))
     run = C.base_model(task, cfg, seed=0, device="cpu")
     ref = fit(lambda: tiny_llama(vocab_size=len(task.tokenizer), d_model=64, n_layers=1, n_heads=4, max_len=16), task,
               TrainConfig(steps=30, batch_size=64, lr=3e-3, seed=0), cache=False)

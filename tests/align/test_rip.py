@@ -180,7 +180,7 @@ def test_self_rip_post_filter_applies_the_first_pools_thresholds_to_a_fresh_pool
 
 
 def test_seed_model_is_the_tiny_llama_fit_on_the_world():
-    cfg = replace(R.Config(), sft_steps=3)
+    cfg = replace(R.Config(), base=replace(R.Config.base, steps=3))
     run = R.seed_model(WORLD, cfg, seed=0, device="cpu")
     ref = fit(lambda: tiny_llama(vocab_size=len(WORLD.tokenizer), d_model=64, n_layers=2, n_heads=4, max_len=20), WORLD,
               TrainConfig(steps=3, batch_size=64, lr=3e-3, seed=0), cache=False)
