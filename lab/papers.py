@@ -1,8 +1,9 @@
 """The nineteen ICML 2025 papers of the lab, and the tour: one registry for the index and tools.
 
 Each entry's ``stem`` is the notebook's file stem (``notebooks/<stem>.ipynb``) and the name of its
-run record (``reports/<stem>.json``). Titles, authors and arXiv ids follow the paper references
-(``shared/papers/<stem>.md``); ``*`` marks equal contribution, as in the papers.
+run record (``reports/<stem>.json``). Titles, authors and arXiv ids are the papers' own (arXiv
+abstract pages); ``*`` marks equal contribution, as in the papers. ``bench`` names the module whose
+``@lab.core.bench.register`` entry `python -m lab bench` runs (empty: the paper has no bench).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ PAPERS: tuple[Paper, ...] = (
           "Changdae Oh, Zhen Fang, Shawn Im, Xuefeng Du, Yixuan Li", "2502.00577"),
     Paper(5, "floe", "FloE", "FloE: On-the-Fly MoE Inference on Memory-constrained GPU",
           "Yuxin Zhou*, Zheng Li*, Jun Zhang, Jue Wang, Yiping Wang, Zhongle Xie, Ke Chen, Lidan Shou",
-          "2505.05950", bench="lab.moe.bench"),
+          "2505.05950", bench="lab.moe.floe_bench"),
     Paper(6, "hc_smoe", "HC-SMoE", "Retraining-Free Merging of Sparse MoE via Hierarchical Clustering",
           "I-Chun Chen, Hsu-Shen Liu, Wei-Fang Sun, Chen-Hao Chao, Yen-Chang Hsu, Chun-Yi Lee", "2410.08589"),
     Paper(7, "olica", "Olica", "Olica: Efficient Structured Pruning of Large Language Models without Retraining",

@@ -1,5 +1,5 @@
-"""A compact preference trainer for tiny causal LMs: policy + frozen reference, masked sequence
-log-probs, any loss of the `lab.align.LOSSES` registry. Shared by EXPO, HPS, cDPO and RIP.
+"""Preference training for causal LMs: policy + frozen reference, masked sequence log-probs, and the
+losses of the `lab.align.LOSSES` registry.
 
 A batch holds n responses per example (column 0 chosen, the rest rejected, ranked for listwise
 losses), each already concatenated with its prompt and right-padded:
@@ -8,12 +8,14 @@ losses), each already concatenated with its prompt and right-padded:
 
 `response_mask` marks the tokens whose log-probs form log π(y|x) (the response, not the prompt).
 
-`train_pairs` is the per-token variant for fixed-length (prompt, chosen, rejected) tensors, used by
-token-weighted losses (cDPO) and by RIP's DPO arms: the loss sees per-token log-probs.
+`train_preferences` trains on such padded batches (any registry loss; tested here, and the trainer of
+the checkpoint-scale path). `train_pairs` is the per-token variant for fixed-length (prompt, chosen,
+rejected) tensors, used by token-weighted losses (cDPO) and by RIP's DPO arms: the loss sees per-token
+log-probs.
 
-`optimize` is the one gradient loop under both, and under every other training loop of `lab.align`
-(SFT of the toys, the exact-enumeration solvers, the tabular policies): a paper says what a step's
-loss is, the loop is the same everywhere.
+`optimize` (from `lab.models.train`, re-exported here) is the one gradient loop under both, and under
+every other training loop of `lab.align` (EXPO's and HPS's toys, SFT, the exact-enumeration solvers,
+the tabular policies): a paper says what a step's loss is, the loop is the same everywhere.
 """
 
 from __future__ import annotations
@@ -24,26 +26,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lab.core import progress
+from lab.models.train import optimize
 
-
-def optimize(params, step_loss: Callable[[int], Tensor], *, steps: int, lr: float, grad_clip: float | None = None,
-             optimizer: type[torch.optim.Optimizer] = torch.optim.Adam, desc: str = "train",
-             quiet: bool | None = None) -> list[float]:
-    """`steps` optimizer steps on `params`: each backpropagates `step_loss(step)` (a scalar), clips the
-    gradient norm to `grad_clip` when given, steps and clears the gradients. Returns the per-step loss."""
-    params = list(params)
-    opt = optimizer(params, lr=lr)
-    losses = []
-    for step in progress(range(steps), quiet=quiet, desc=desc):
-        value = step_loss(step)
-        value.backward()
-        if grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(value.item())
-    return losses
+__all__ = ["optimize", "token_logprobs", "sequence_logprobs", "chosen_token_kl", "preference_loss",
+           "train_preferences", "response_logps", "train_pairs"]
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:

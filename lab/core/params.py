@@ -37,10 +37,6 @@ class Params:
     def is_control(self) -> bool:
         return bool(self.control)
 
-    def pick(self, *, smoke: Any, full: Any) -> Any:
-        """The value for this scale: every size in a notebook comes through here."""
-        return smoke if self.scale == "smoke" else full
-
     @property
     def tiny(self) -> bool:
         return self.model == TINY

@@ -141,9 +141,10 @@ class VisualQA:
 
 
 class FrozenEncoders:
-    """Stand-ins for the repo's frozen encoders (no hub weights): text = a fixed random token-embedding
-    table averaged over the words (as XLM-R's `hidden_states[0]` mean), image = a fixed random 2-layer
-    map of the patches averaged over patches (as CLIP's patch mean); all L2-normalised (d-dim)."""
+    """Stand-ins for the frozen encoders of EMI's official code (deeplearning-wisc/mllmshift-emi; no hub
+    weights here): text = a fixed random token-embedding table averaged over the words (as XLM-R's
+    `hidden_states[0]` mean), image = a fixed random 2-layer map of the patches averaged over patches
+    (as CLIP's patch mean); all L2-normalised (d-dim)."""
 
     def __init__(self, tokenizer, *, d: int = 64, patch_dim: int = 48, seed: int = 0):
         g = torch.Generator().manual_seed(seed)

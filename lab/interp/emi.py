@@ -31,10 +31,9 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from lab.core import progress
 from lab.core.stats import pearson, spearman
 from lab.data.vqa import FrozenEncoders, VisualQA
-from lab.models import TrainConfig, TrainResult, fit
+from lab.models import TrainConfig, TrainResult, fit, optimize
 from lab.models.mllm import tiny_mllm
 
 # the notebook's controls: the substitutions a skeptic would make (`control=` in the notebook)
@@ -98,13 +97,12 @@ def fit_club(x: Tensor, y: Tensor, *, hidden: int = 64, steps: int = 300, lr: fl
     torch.manual_seed(seed)
     club = CLUB(x.shape[1], y.shape[1], hidden).to(x.device)
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(club.parameters(), lr=lr)
-    for _ in progress(range(steps), quiet=quiet, desc="CLUB"):
+
+    def step_loss(_: int) -> Tensor:
         i = torch.randint(len(x), (min(batch_size, len(x)),), generator=g)
-        loss = -club.loglikelihood(x[i], y[i])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        return -club.loglikelihood(x[i], y[i])
+
+    optimize(club.parameters(), step_loss, steps=steps, lr=lr, desc="CLUB", quiet=quiet)
     return club.eval().requires_grad_(False)
 
 

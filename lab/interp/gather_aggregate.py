@@ -385,7 +385,10 @@ class HeadLasso:
     across many skills; a toy trained on one task instead spreads retrieval over redundant heads.
     The proximal step sets unused heads to exactly zero (a smooth penalty only makes them small, and
     argmax accuracy still reads a small backup head), so the toy's circuits become few-head as in
-    the paper. Under Adam, a step moves each weight by about lr, so λ is in units of that step."""
+    the paper. Under Adam, a step moves each weight by about lr, so λ is in units of that step.
+
+    Kept, and tested, as the record of that attempt (notebook 09 cites it): it did not make the toy's
+    aggregate role single-head, so notebook 09 trains without it."""
 
     lam: float = 5.0
     start: int = 0  # let the circuit form before pruning

@@ -114,7 +114,7 @@ def hidden_attention(model: nn.Module, input_ids: Tensor, layer: int) -> Tensor:
     """Hidden attention of layer `layer` of a `Mamba2ForCausalLM` / `MambaForCausalLM` (or base model) on
     `input_ids` (B, T): captures the mixer input (`lab.models.hooks`) during one forward, returns
     (B, heads, T, T) float32 (heads = Mamba-2 heads, or Mamba-1 inner channels)."""
-    mixer = model.base_model.layers[layer].mixer
+    mixer = hooks.mixer(model, layer)
     _, (h,) = hooks.run_with_cache(model, [mixer], input_ids=input_ids, use_cache=False)
     if isinstance(mixer, Mamba2Mixer):
         return mamba2_hidden_attention(mixer, h)[0]

@@ -4,8 +4,8 @@ pretrained loading."""
 from lab.models.pretrained import ModelNotAvailable, load_model
 from lab.models.spec import TinyLM
 from lab.models.tokenizer import word_tokenizer
-from lab.models.train import TrainConfig, TrainResult, cache_dir, fit, train
+from lab.models.train import TrainConfig, TrainResult, cache_dir, fit, optimize, train
 from lab.models.zoo import ZOO, build, tiny_llama, tiny_mamba2, tiny_mixtral
 
 __all__ = ["ModelNotAvailable", "load_model", "word_tokenizer", "TrainConfig", "TrainResult", "cache_dir",
-           "fit", "train", "ZOO", "build", "tiny_llama", "tiny_mamba2", "tiny_mixtral", "TinyLM"]
+           "fit", "optimize", "train", "ZOO", "build", "tiny_llama", "tiny_mamba2", "tiny_mixtral", "TinyLM"]

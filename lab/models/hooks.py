@@ -4,7 +4,7 @@ The one place where the lab reaches inside a model (TransformerLens-style, but o
 Hugging Face classes). Every operation is a context manager that puts the model back exactly as it
 was on exit, also after an exception, so no ablated or patched copy leaks into the next measurement:
 
-    with hooks.capture(model, blocks(model)) as xs:     # inputs of every decoder block
+    with hooks.capture(hooks.layers(model)) as xs:      # inputs of every decoder block
         model(input_ids=ids)
     with hooks.ablate_heads(model, {17: [24]}):         # one attention head removed
         ...
@@ -83,11 +83,10 @@ def _first_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 @contextmanager
-def capture(model: nn.Module, modules: Sequence[nn.Module], *, output: bool = False) -> Iterator[list[list]]:
+def capture(modules: Sequence[nn.Module], *, output: bool = False) -> Iterator[list[list]]:
     """Within the block, every forward of `modules[i]` appends its input (or with `output=True` its
     output, the first element when it returns a tuple) to the i-th list yielded. Nothing is changed
     in the computation; the hooks are removed on exit."""
-    del model  # the modules say where; the argument keeps call sites reading `capture(model, ...)`
     store: list[list] = [[] for _ in modules]
     handles = []
     try:
@@ -108,7 +107,7 @@ def capture(model: nn.Module, modules: Sequence[nn.Module], *, output: bool = Fa
 def run_with_cache(model: nn.Module, modules: Sequence[nn.Module], *, output: bool = False, **inputs):
     """One forward `model(**inputs)`; returns (its output, [the activation of each module]) — the last
     call's when a module runs more than once."""
-    with capture(model, modules, output=output) as store:
+    with capture(modules, output=output) as store:
         out = model(**inputs)
     return out, [s[-1] if s else None for s in store]
 

@@ -6,6 +6,9 @@ them. The cache key hashes everything that determines the weights: the model's c
 spec (its dataclass fields), the training config (steps, seed, ...) and the library versions. An
 entry is `<LAB_CACHE>/models/<key>/{model.safetensors, meta.json}`; the meta holds the weights'
 sha256, so a truncated or corrupt entry is detected, logged, deleted and rebuilt.
+
+`optimize(params, step_loss, ...)` is the one plain gradient loop (backward, optional clip, step, clear)
+that the papers' own training runs on: a paper says what a step's loss is, the loop is shared.
 """
 
 from __future__ import annotations
@@ -60,6 +63,25 @@ class TrainResult:
     key: str
     seconds: float  # wall time of the training run that produced the weights
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def optimize(params, step_loss: Callable[[int], torch.Tensor], *, steps: int, lr: float, grad_clip: float | None = None,
+             optimizer: type[torch.optim.Optimizer] = torch.optim.Adam, desc: str = "train",
+             quiet: bool | None = None) -> list[float]:
+    """`steps` optimizer steps on `params`: each backpropagates `step_loss(step)` (a scalar), clips the
+    gradient norm to `grad_clip` when given, steps and clears the gradients. Returns the per-step loss."""
+    params = list(params)
+    opt = optimizer(params, lr=lr)
+    losses = []
+    for step in progress(range(steps), quiet=quiet, desc=desc):
+        value = step_loss(step)
+        value.backward()
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(value.item())
+    return losses
 
 
 def cache_dir() -> Path:

@@ -49,9 +49,9 @@ def dense_fn(model: nn.Module) -> ExpertFn:
 
 
 @torch.no_grad()
-def capture(model: nn.Module, input_ids: Tensor) -> list[Tensor]:
+def moe_inputs(model: nn.Module, input_ids: Tensor) -> list[Tensor]:
     """Teacher-forced MoE inputs of every layer, [(N, H)] with N = batch·T (post-attention-norm states)."""
-    with hooks.capture(model, moe_blocks(model)) as store:
+    with hooks.capture(moe_blocks(model)) as store:
         model(input_ids=input_ids)
     return [x.reshape(-1, x.shape[-1]) for calls in store for x in calls]
 

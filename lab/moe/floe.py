@@ -14,7 +14,7 @@ top-|x W_up^{i+1,e}| with the resident INT2 W_up (intra-expert).
 
 The MoE plumbing (expert weights, router, block inputs, experts swapped for an `ExpertFn`) is
 `lab.moe.blocks`; the offload engine of Sec. 3.4 is `lab.moe.offload`; the toy's measurements and
-`python -m lab bench floe` are `lab.moe.bench`.
+`python -m lab bench floe` are `lab.moe.floe_bench`.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Config:
     group_size: int = 64  # HQQ group
     offloaded: tuple[int, ...] = (1, 2, 3)  # layers whose experts FloE replaces (layer 0 stays dense)
     gather_tokens: int = 64  # tokens of the gathered-rows = masked-dense check
-    predictor_epochs: int = 10  # the development repo's trained inter-expert predictor
+    predictor_epochs: int = 10  # the trained inter-expert predictor of zju-stu-lizheng/On-the-Fly_MoE
     predictor_lr: float = 5e-4
     predictor_batch: int = 256
     predictor: str = "router"  # the offload engine's predictors; "random" under the `random_predictor` control
@@ -309,9 +309,10 @@ def predictor_stats(model: nn.Module, xs: list[Tensor], keep: float, int2: dict 
 
 def train_inter_predictor(x: Tensor, logits_next: Tensor, router_next: Tensor, top_k: int = 2, hidden: int = 0,
                           epochs: int = 20, lr: float = 5e-4, batch: int = 2048, seed: int = 0) -> nn.Module:
-    """The development repo's inter-expert predictor: Linear(H→E) initialised from the next router
-    (`hidden=0`) or Linear–SiLU–Linear, trained with SmoothL1 against the multi-hot top-k of the next
-    layer's true logits (Adam, 80/20 split is left to the caller)."""
+    """The inter-expert predictor of zju-stu-lizheng/On-the-Fly_MoE (the co-authors' development code):
+    Linear(H→E) initialised from the next router (`hidden=0`) or Linear–SiLU–Linear, trained with
+    SmoothL1 against the multi-hot top-k of the next layer's true logits (Adam, 80/20 split is left to
+    the caller)."""
     torch.manual_seed(seed)
     H, E = x.shape[-1], logits_next.shape[-1]
     if hidden:

@@ -11,9 +11,10 @@ Policies (FloE Sec. 3.4 and the baselines it compares with, per decoded token an
            with router_{i+1}(x_i), their neurons with top-|x_i W_up^{i+1,e}| (`keep`·F rows), and the rows of
            W_gate and W_downᵀ (co-located, (n, 2, H) FP16 — the compact layout of Sec. 3.4.2) are copied
            ahead on the side stream; a misrouted expert is reloaded synchronously with its mask from the true
-           x. The kept activations are recomputed with the true input (the development repo's engine). As there,
-           layer i+1's prefetch is issued before layer i's misrouted experts are reloaded, so on one FIFO copy
-           engine a reload waits behind the prefetch (visible in the timeline).
+           x. The kept activations are recomputed with the true input (as the engine of the co-authors'
+           zju-stu-lizheng/On-the-Fly_MoE does). As there, layer i+1's prefetch is issued before layer i's
+           misrouted experts are reloaded, so on one FIFO copy engine a reload waits behind the prefetch
+           (visible in the timeline).
 
 `predictor="random"` replaces both predictors by random ones (FloE's `random_predictor` control): the
 prefetched experts are a random top-k and every kept-neuron set a random `keep`·F rows (seeded).

@@ -6,7 +6,7 @@ from lab.core import ParamError, Params, validate
 def test_defaults_resolve_device():
     p = validate()
     assert p == Params("smoke", p.device, 0, "tiny") and p.device in ("cpu", "cuda")
-    assert p.pick(smoke=1, full=2) == 1 and validate("full").pick(smoke=1, full=2) == 2
+    assert p.scale == "smoke" and validate("full").scale == "full"
 
 
 @pytest.mark.parametrize("kw, words", [

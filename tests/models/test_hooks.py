@@ -34,7 +34,7 @@ def test_capture_inputs_and_outputs_are_what_the_blocks_see(model):
     want = logits(model)
     for h in h1 + h2:
         h.remove()
-    with hooks.capture(model, blocks) as xs, hooks.capture(model, blocks, output=True) as ys:
+    with hooks.capture(blocks) as xs, hooks.capture(blocks, output=True) as ys:
         got = logits(model)
     assert torch.equal(got, want)
     assert [x[0].shape for x in xs] == [s.shape for s in seen_in]
@@ -48,7 +48,7 @@ def test_capture_inputs_and_outputs_are_what_the_blocks_see(model):
 
 def test_capture_removes_its_hooks_after_an_exception(model):
     blocks = list(hooks.layers(model))
-    with pytest.raises(RuntimeError), hooks.capture(model, blocks):
+    with pytest.raises(RuntimeError), hooks.capture(blocks):
         raise RuntimeError
     assert all(not b._forward_pre_hooks for b in blocks)
 

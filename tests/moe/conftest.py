@@ -21,4 +21,4 @@ def ids():
 
 @pytest.fixture(scope="module")
 def xs(model, ids):
-    return blocks.capture(model, ids)
+    return blocks.moe_inputs(model, ids)

@@ -57,7 +57,7 @@ def test_use_experts_swaps_and_restores(model, ids):
     assert blocks.eval_loss(model, batch, dense) == pytest.approx(base, abs=1e-5)
     assert blocks.eval_loss(model, batch, lambda l, e, x: torch.zeros_like(x), layers=[1]) != pytest.approx(base)
     assert blocks.eval_loss(model, batch) == base
-    assert blocks.layer_errors(model, blocks.capture(model, ids), dense).abs().max() < 1e-10
+    assert blocks.layer_errors(model, blocks.moe_inputs(model, ids), dense).abs().max() < 1e-10
 
 
 def test_use_experts_puts_the_original_modules_back(model, ids):

@@ -107,7 +107,7 @@ def test_inter_predictor_learns_the_next_router(model):
     """Trained on 192 tokens, both predictors find the next layer's top-2 experts on 64 held-out tokens far
     better than the constant baseline that always predicts the two most frequent training experts."""
     ids = torch.randint(40, (8, 32), generator=torch.Generator().manual_seed(2))
-    xs = blocks.capture(model, ids)
+    xs = blocks.moe_inputs(model, ids)
     nxt = blocks.moe_blocks(model)[2]
     logits = blocks.route(nxt, xs[2])[0].detach()  # (256, 4) the next layer's true router logits
     tr, te = slice(0, 192), slice(192, 256)

@@ -267,7 +267,7 @@ def floe_bench(seed: int = 0, device: str = "cpu", pcie_gbps: float = 25.0, n_se
     cfg = cfg if steps is None else dataclasses.replace(cfg, steps=steps)
     task, _, model = toy(cfg, seed, device, quiet=True)
     cal, ev = toy_data(task, cfg.n_seq, seed, device)
-    xs_cal, xs_ev = blocks.capture(model, cal), blocks.capture(model, ev["input_ids"])
+    xs_cal, xs_ev = blocks.moe_inputs(model, cal), blocks.moe_inputs(model, ev["input_ids"])
     t_up = {keep: fl.thresholds(model, xs_cal, 1 - keep, "up") for keep in (0.2, 0.1)}
     variant = {"fp16": blocks.dense_fn(model), "int2": fl.quant_fn(model, fl.MATRICES, 2, 64)}
     dec = Decoder(model, decode_seqs(task, n_seq, seed, device), device, pcie_gbps)

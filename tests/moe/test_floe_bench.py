@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from lab.data.chains import PermutationChains
-from lab.moe import bench as fb
 from lab.moe import blocks
 from lab.moe import floe as fl
-from lab.moe.bench import POLICIES, floe_bench, report
+from lab.moe import floe_bench as fb
+from lab.moe.floe_bench import POLICIES, floe_bench, report
 from lab.moe.links import SimLink, TimeModel
 from lab.moe.offload import OffloadEngine
 
@@ -58,7 +58,7 @@ def test_bench_bad_input_is_one_sentence():
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--pcie" in r.stderr
 
 
-# ------------------------------------------------------------------ the notebook's measurements (lab.moe.bench)
+# ------------------------------------------------------------------ the notebook's measurements (lab.moe.floe_bench)
 
 def test_toy_data_draws_calibration_then_evaluation():
     task = PermutationChains(length=8)
