@@ -69,8 +69,8 @@ class Config:
     n_layers: int = 2  # the toys' (gather, aggregate) layer pair is (0, 1)
     n_heads: int = 4
     head_dim: int = 16
-    transformer_steps: int = 2000
-    mamba2_steps: int = 400  # Mamba-2 learns the task ~5× faster in steps
+    transformer_steps: int = 1200
+    mamba2_steps: int = 300  # Mamba-2 learns the task ~5× faster in steps
     batch_size: int = 64
     lr: float = 3e-3
     n_letter: int = 300  # held-out letter prompts; `n_rows` of them for the sharpness
@@ -87,7 +87,7 @@ class Config:
         """"full": 3× the training steps and prompts; the `untrained` control trains no step."""
         if control and control not in CONTROLS:
             raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
-        sizes = {} if scale == "smoke" else dict(transformer_steps=6000, mamba2_steps=1200, n_letter=1000,
+        sizes = {} if scale == "smoke" else dict(transformer_steps=3600, mamba2_steps=900, n_letter=1000,
                                                    n_cloze=300, n_rows=256, n_per_k=500, n_checkpoint=1000)
         return cls(**sizes | (dict(transformer_steps=0, mamba2_steps=0) if control == "untrained" else {}))
 

@@ -136,8 +136,8 @@ def test_the_notebook_declares_the_documented_controls():
 
 def test_config_for_scale_and_controls():
     smoke, full = ga.Config.for_scale("smoke"), ga.Config.for_scale("full")
-    assert smoke == ga.Config() and (smoke.transformer_steps, smoke.mamba2_steps) == (2000, 400)
-    assert (full.transformer_steps, full.mamba2_steps, full.n_letter, full.n_rows) == (6000, 1200, 1000, 256)
+    assert smoke == ga.Config() and (smoke.transformer_steps, smoke.mamba2_steps) == (1200, 300)
+    assert (full.transformer_steps, full.mamba2_steps, full.n_letter, full.n_rows) == (3600, 900, 1000, 256)
     untrained = ga.Config.for_scale("full", "untrained"), ga.Config.for_scale("smoke", "untrained")
     assert all(c.transformer_steps == c.mamba2_steps == 0 for c in untrained)
     assert ga.Config.for_scale("smoke", "shuffled") == smoke
