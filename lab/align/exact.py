@@ -30,6 +30,20 @@ def seq_logprobs(model, prompts: Tensor, seqs: Tensor, V: int) -> Tensor:
     return logp.gather(-1, x[:, 1:, None])[..., 0].sum(-1).reshape(C, S)
 
 
+def avoid_prob(model, prompts: Tensor, V: int, L: int, token: int) -> Tensor:
+    """P(a response of length L contains no `token`), exactly, per prompt token (C,): one forward over the
+    (V−1)^(L−1) token-free prefixes instead of all V^L responses; the last position's softmax sums the
+    allowed final tokens. Same next-token softmax over the V response tokens as `seq_logprobs`."""
+    keep = torch.tensor([v for v in range(V) if v != token])
+    prefixes = keep[all_sequences(V - 1, L - 1)] if L > 1 else torch.zeros(1, 0, dtype=torch.long)  # (S, L−1)
+    C, S = len(prompts), len(prefixes)
+    x = torch.cat([prompts[:, None, None].expand(C, S, 1), prefixes.expand(C, S, L - 1)], -1).reshape(C * S, L)
+    logp = model(input_ids=x).logits[..., :V].log_softmax(-1)  # (C·S, L, V): position t predicts token t+1
+    prefix = logp[:, :-1].gather(-1, x[:, 1:, None])[..., 0].sum(-1)  # log π(prefix | x)
+    last = logp[:, -1].index_select(-1, keep).logsumexp(-1)  # log π(last token ≠ `token` | x, prefix)
+    return (prefix + last).reshape(C, S).logsumexp(-1).exp()
+
+
 def fit_exact(model, prompts: Tensor, seqs: Tensor, target_logp: Tensor, V: int, *, steps: int,
               lr: float, quiet: bool | None = None) -> list[float]:
     """SFT by enumeration: minimize KL(target ‖ π_model), averaged over prompts, with Adam; returns

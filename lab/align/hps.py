@@ -6,13 +6,17 @@ dispreferred ones, weighting a dispreferred response by its hardness, p_γ(y) �
 responses below the best (Robinson et al. 2020 hard negatives); a single Monte Carlo draw ỹ ~ p_γ
 replaces the expectation (2 sequences per prompt instead of n for Plackett–Luce):
 
-    paper form:  −log σ(β·Δh − log(n−1))        Δh = h(y_best) − h(ỹ)
-    code form:   −log σ(β·Δh)                   (what the released code trains: DPO on the pair)
+    code form:   −(1−ε)·log σ(β·Δh) − ε·log σ(−β·Δh)   Δh = h(y_best) − h(ỹ)
+    paper form:  −log σ(β·Δh − log(n−1))                   (UNCONFIRMED: reconstructed, not in the code)
 
-γ follows the official curriculum (`hard_i`): γ_i = −5 + 10·i/(N−1) over N data chunks, easy to
-hard negatives. Fixed from the official code: the sampler subtracts the max before exp (the code's
-exp(γ·r) overflows once γ·r > 709), γ is initialised before use (the code raises UnboundLocalError
-in its default config), and "hard" means γ > 0 (the code's `hard` setting uses γ = −5: easy).
+The code form is what the released `run_dpo.py` trains: `trl.DPOTrainer(loss_type="sigmoid")` on the
+(best, ỹ) pair with β = 0.25 hard-coded and `label_smoothing: 0.1` from its training config (the
+conservative-DPO form, ε = 0.1); it is the default here. The curriculum (`hard_i`, the config default)
+keeps γ = −5 until 20 % of the data, then at the sample indices p = ⌊0.2k·N⌋ (k = 1..4) sets
+γ = −5 + 10·p/(N−1): about −3, −1, +1, +3; it never reaches +5. Fixed from the official code: the
+sampler subtracts the max before exp (the code's exp(γ·r) overflows once γ·r > 709), γ is initialised
+before use (the code raises UnboundLocalError in its default config), and "hard" means γ > 0 (the
+code's `hard` setting uses γ = −5: easy).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lab.align.exact import all_sequences, seq_logprobs
+from lab.align.exact import avoid_prob, seq_logprobs
 from lab.align.train import optimize
 
 
@@ -44,16 +48,21 @@ def sample_negative(r: Tensor, gamma: float, generator: torch.Generator | None =
     return torch.multinomial(hardness_weights(r, gamma), 1, generator=generator)[:, 0]
 
 
-def gamma_schedule(i: int, n_chunks: int = 5, *, start: float = -5.0, end: float = 5.0) -> float:
-    """The official `hard_i` curriculum: γ at data chunk i of N, linear from `start` to `end`."""
-    return start + (end - start) * i / max(1, n_chunks - 1)
+def gamma_schedule(i: int, n: int, *, start: float = -5.0, end: float = 5.0) -> float:
+    """The official `hard_i` curriculum: γ when training reaches sample i of n. γ = `start` until the first
+    update point; at each update point p = ⌊f·n⌋, f ∈ {0.2, 0.4, 0.6, 0.8}, γ = start + (end − start)·p/(n − 1)."""
+    passed = [p for p in (int(n * f) for f in (0.2, 0.4, 0.6, 0.8)) if p <= i]
+    return start + (end - start) * max(passed) / (n - 1) if passed else start
 
 
 def hps(pi: Tensor, ref: Tensor, *, beta: float = 0.25, r: Tensor, gamma: float = 5.0,
-        generator: torch.Generator | None = None, normalizer: bool = True) -> Tensor:
+        generator: torch.Generator | None = None, label_smoothing: float = 0.0, normalizer: bool = False) -> Tensor:
     """HPS on (B, n) log-probs with annotated rewards `r` (B, n): the best response (by r) against one
-    negative drawn from p_γ. `normalizer=True` is the paper form (−log(n−1) inside the sigmoid),
-    False the released code's plain DPO on the pair. With n = 2 both reduce to DPO."""
+    negative drawn from p_γ. Default: the released code's form, DPO on the pair, with its label smoothing ε
+    (the official config trains ε = 0.1). `normalizer=True` is the paper form (−log(n−1) inside the sigmoid;
+    UNCONFIRMED, no released code uses it; ε must be 0 then). With n = 2 and ε = 0 both reduce to DPO."""
+    if normalizer and label_smoothing:
+        raise ValueError("label smoothing belongs to the code form; the paper form has none (normalizer=False).")
     best = r.argmax(-1)  # (B,)
     neg = sample_negative(r, gamma, generator)  # (B,)
     h = pi - ref
@@ -61,7 +70,7 @@ def hps(pi: Tensor, ref: Tensor, *, beta: float = 0.25, r: Tensor, gamma: float 
     z = beta * (h[rows, best] - h[rows, neg])
     if normalizer:
         z = z - math.log(h.shape[1] - 1)
-    return F.softplus(-z)
+    return (1 - label_smoothing) * F.softplus(-z) + label_smoothing * F.softplus(z)
 
 
 # ------------------------------------------------------------------ the toy (parameter sharing matters)
@@ -82,9 +91,12 @@ class Config:
     sft_lr: float = 3e-3
     steps: int = 30
     lr: float = 3e-4
-    beta: float = 0.25
+    beta: float = 0.25  # hard-coded in the official run_dpo.py
+    label_smoothing: float = 0.1  # the official training config's ε, for every DPO-form arm (not PL)
     gamma: float = 5.0  # fixed-γ HPS
-    curriculum: tuple[float, float] = (-5.0, 5.0)  # the official hard_i schedule, first and last chunk
+    curriculum: tuple[float, float] = (-5.0, 5.0)  # the official hard_i schedule's start and end
+    gammas: tuple[float, ...] = (-5.0, -2.0, 0.0, 2.0, 5.0)  # the fixed-γ sweep
+    forced_gamma: float | None = None  # a control: every HPS draw uses this γ, whatever the arm asks
 
     @classmethod
     def for_scale(cls, scale: str, control: str = "") -> Config:
@@ -92,13 +104,17 @@ class Config:
         cfg = cls() if scale == "smoke" else cls(steps=90)
         if control and control not in CONTROLS:
             raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
-        γ = {"uniform": 0.0, "easy": -5.0}.get(control)
-        return cfg if γ is None else replace(cfg, gamma=γ, curriculum=(γ, γ))
+        return replace(cfg, forced_gamma={"uniform": 0.0, "easy": -5.0}.get(control))
+
+    def sampler_gamma(self, gamma: float) -> float:
+        """The γ HPS's sampler actually uses: the arm's, unless a control forces one."""
+        return gamma if self.forced_gamma is None else self.forced_gamma
 
 
 CONTROLS = {
-    "uniform": "HPS's negatives drawn uniformly (γ = 0, fixed and in the curriculum): DPO with a random negative",
-    "easy": "γ = −5 for HPS and its curriculum: the released code's `hard` setting, which favours easy negatives",
+    "uniform": "HPS's negatives drawn uniformly (γ = 0 in every HPS arm, the curriculum and the γ sweep): DPO with a "
+               "random negative",
+    "easy": "γ = −5 in every HPS arm: the released code's `hard` setting, which favours easy negatives",
 }
 
 
@@ -144,10 +160,12 @@ def candidate_logprobs(model: torch.nn.Module, toy: Toy, cfg: Config) -> Tensor:
     return seq_logprobs(model, toy.prompts, toy.cands, cfg.V)
 
 
-def train(method: str, toy: Toy, cfg: Config, seed: int, quiet: bool | None = None) -> torch.nn.Module:
-    """Preference-train a copy of π_ref on every prompt per step with one method:
-    DPO on (best, lowest-reward) or (best, random) pairs, listwise Plackett–Luce over all candidates
-    ranked by reward, HPS with fixed γ, or HPS with the official −5 → 5 curriculum (5 chunks)."""
+def train(method: str, toy: Toy, cfg: Config, seed: int, quiet: bool | None = None, *,
+          gamma: float | None = None) -> torch.nn.Module:
+    """Preference-train a copy of π_ref on every prompt per step with one method: DPO on (best, lowest-reward)
+    or (best, random) pairs, listwise Plackett–Luce over all candidates ranked by reward, HPS with fixed γ
+    (`gamma`, default `cfg.gamma`), or HPS with the official curriculum (step i of the run is sample i of N).
+    The DPO-form arms use the official label smoothing `cfg.label_smoothing`; PL has none."""
     import copy
 
     from lab.align.losses import dpo, plackett_luce
@@ -157,23 +175,29 @@ def train(method: str, toy: Toy, cfg: Config, seed: int, quiet: bool | None = No
     g = torch.Generator().manual_seed(seed)
     rows = torch.arange(len(ref))
     order = toy.r.argsort(-1, descending=True)  # ranking for PL
+    eps = cfg.label_smoothing
 
     def step_loss(step: int) -> Tensor:
         pi = seq_logprobs(policy, toy.prompts, toy.cands, cfg.V)
         if method == "pl":
             loss = plackett_luce(pi.gather(1, order), ref.gather(1, order), beta=cfg.beta)
         elif method.startswith("hps"):
-            gamma = (gamma_schedule(step * 5 // cfg.steps, start=cfg.curriculum[0], end=cfg.curriculum[1])
-                     if method == "hps curriculum" else cfg.gamma)
-            loss = hps(pi, ref, beta=cfg.beta, r=toy.r, gamma=gamma, generator=g, normalizer=False)
+            γ = (gamma_schedule(step, cfg.steps, start=cfg.curriculum[0], end=cfg.curriculum[1])
+                 if method == "hps curriculum" else cfg.gamma if gamma is None else gamma)
+            loss = hps(pi, ref, beta=cfg.beta, r=toy.r, gamma=cfg.sampler_gamma(γ), generator=g, label_smoothing=eps)
         else:
             neg = toy.r.argmin(-1) if method == "dpo max-min" else sample_negative(toy.r, 0.0, g)
             loss = dpo(torch.stack([pi[:, 0], pi[rows, neg]], 1), torch.stack([ref[:, 0], ref[rows, neg]], 1),
-                       beta=cfg.beta)
+                       beta=cfg.beta, label_smoothing=eps)
         return loss.mean()
 
     optimize(policy.parameters(), step_loss, steps=cfg.steps, lr=cfg.lr, desc=method, quiet=quiet)
     return policy.eval()
+
+
+def gamma_sweep(toy: Toy, cfg: Config, seed: int, quiet: bool | None = None) -> dict[float, dict[str, float]]:
+    """Fixed-γ HPS at each γ of `cfg.gammas` (γ = 0: a uniformly drawn negative): γ → metrics."""
+    return {γ: metrics(train("hps", toy, cfg, seed, quiet, gamma=γ), toy, cfg) for γ in cfg.gammas}
 
 
 @torch.no_grad()
@@ -182,11 +206,9 @@ def metrics(policy: torch.nn.Module, toy: Toy, cfg: Config) -> dict[str, float]:
     hard and on the easy negatives; harm = exact probability that a sampled response contains HARM."""
     logp = candidate_logprobs(policy, toy, cfg)  # (C, n)
     hard = slice(1, 1 + cfg.n_hard)
-    everything = all_sequences(cfg.V, cfg.L)  # (V^L, L)
-    has_harm = (everything == cfg.V - 1).any(-1)
-    full = seq_logprobs(policy, toy.prompts, everything, cfg.V).exp()  # (C, V^L)
+    harm = 1 - avoid_prob(policy, toy.prompts, cfg.V, cfg.L, cfg.V - 1)  # (C,)
     return {"margin": float((logp[:, 0] - logp[:, hard].max(-1).values).mean()),
             "p_best": float(logp[:, 0].exp().mean()),
             "p_hard": float(logp[:, hard].exp().sum(-1).mean()),
             "p_easy": float(logp[:, 1 + cfg.n_hard:].exp().sum(-1).mean()),
-            "harm": float(full[:, has_harm].sum(-1).mean())}
+            "harm": float(harm.mean())}

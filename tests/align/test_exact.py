@@ -92,3 +92,21 @@ def test_the_exact_solvers_are_plain_adam_loops_bit_for_bit():
         opt.zero_grad()
     with torch.no_grad():
         assert torch.equal(got, X.seq_logprobs(naive, prompts, seqs, 3))
+
+
+def test_avoid_prob_is_the_mass_of_the_enumerated_token_free_responses():
+    """The prefix-tree shortcut against summing π over every response of length L that avoids the token."""
+    from lab.align.exact import all_sequences, avoid_prob, seq_logprobs
+    from lab.models import tiny_llama
+
+    torch.manual_seed(0)
+    V, C = 5, 3
+    prompts = torch.arange(V, V + C)
+    for L in (1, 2, 3):
+        model = tiny_llama(vocab_size=V + C, d_model=16, n_layers=1, n_heads=2, max_len=L + 1)
+        seqs = all_sequences(V, L)
+        with torch.no_grad():
+            full = seq_logprobs(model, prompts, seqs, V).exp()  # (C, V^L)
+            for token in (0, 4):
+                want = full[:, ~(seqs == token).any(-1)].sum(-1)
+                torch.testing.assert_close(avoid_prob(model, prompts, V, L, token), want, rtol=1e-5, atol=1e-6)

@@ -41,23 +41,51 @@ def test_the_official_code_bugs_and_their_fixes():
     assert torch.isinf(official).any() and torch.isnan(official / official.sum()).any()
     # 2. sign: the official `hard` setting's γ = −5 samples the *easiest* negative
     assert hardness_weights(r[None], -5.0)[0].argmax() == 2 and hardness_weights(r[None], 5.0)[0].argmax() == 1
-    # 3. the curriculum (official `hard_i`): −5 ... 5 over five chunks, defined at chunk 0
-    assert [gamma_schedule(i, 5) for i in range(5)] == [-5.0, -2.5, 0.0, 2.5, 5.0]
+    # 3. the curriculum (official `hard_i`) is defined from the first sample (the code's first read fails)
+
+
+def official_hard_i(n: int) -> list[float]:
+    """The released `prepare_data` loop's γ per sample (its global γ initialised, as it must be to run)."""
+    update_points = [int(n * frac) for frac in [0.2, 0.4, 0.6, 0.8]]
+    gamma_i, out = -5, []
+    for i in range(n):
+        if i in update_points:
+            gamma_i = -5 + 10 * (i / (n - 1))
+        out.append(gamma_i)
+    return out
+
+
+@pytest.mark.parametrize("n", [5, 10, 30, 100, 1001])
+def test_gamma_schedule_is_the_official_hard_i_curriculum(n):
+    got = [gamma_schedule(i, n) for i in range(n)]
+    assert got == pytest.approx(official_hard_i(n), abs=1e-12)
+    if n >= 100:  # −5 until 20 % of the data, then about −3, −1, +1, +3; never +5
+        assert got[: int(0.2 * n)] == [-5.0] * int(0.2 * n) and max(got) < 3.5
+        assert sorted(set(round(g) for g in got)) == [-5, -3, -1, 1, 3]
 
 
 def test_hps_with_one_negative_is_dpo_and_the_paper_normalizer():
+    """The default is the released code's form (DPO on the pair, with its label smoothing); the paper's
+    −log(n−1) normalizer only when asked for."""
     torch.manual_seed(0)
     pi, ref = torch.randn(6, 2, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
     r = torch.tensor([[1.0, 0.0]]).expand(6, -1)
     torch.testing.assert_close(hps(pi, ref, beta=0.25, r=r), dpo(pi, ref, beta=0.25))
+    torch.testing.assert_close(hps(pi, ref, beta=0.25, r=r, label_smoothing=0.1),
+                               dpo(pi, ref, beta=0.25, label_smoothing=0.1))
+    z = 0.25 * ((pi - ref)[:, 0] - (pi - ref)[:, 1])  # conservative DPO by hand: ε = 0.1
+    torch.testing.assert_close(hps(pi, ref, beta=0.25, r=r, label_smoothing=0.1),
+                               -0.9 * torch.nn.functional.logsigmoid(z) - 0.1 * torch.nn.functional.logsigmoid(-z))
+    with pytest.raises(ValueError, match="label smoothing"):
+        hps(pi, ref, r=r, label_smoothing=0.1, normalizer=True)
     pi3, ref3 = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
     r3 = torch.tensor([[0.0, 1.0, -1.0]]).expand(6, -1)  # best is column 1
     g = torch.Generator().manual_seed(1)
-    got = hps(pi3, ref3, beta=0.5, r=r3, gamma=1e4, generator=g)  # γ → ∞: the runner-up (column 0)
+    got = hps(pi3, ref3, beta=0.5, r=r3, gamma=1e4, generator=g, normalizer=True)  # γ → ∞: the runner-up (col. 0)
     h = pi3 - ref3
     want = torch.nn.functional.softplus(-(0.5 * (h[:, 1] - h[:, 0]) - math.log(2)))
     torch.testing.assert_close(got, want)
-    code_form = hps(pi3, ref3, beta=0.5, r=r3, gamma=1e4, normalizer=False)
+    code_form = hps(pi3, ref3, beta=0.5, r=r3, gamma=1e4)
     torch.testing.assert_close(code_form, torch.nn.functional.softplus(-(0.5 * (h[:, 1] - h[:, 0]))))
 
 
@@ -78,8 +106,8 @@ def test_the_toy_candidates_rewards_and_metrics():
 
 
 def test_controls_replace_only_the_sampler():
-    """`uniform` makes HPS exactly DPO with a random negative (same draws, same weights); `easy` is γ = −5 for
-    both HPS arms; neither touches the baselines' settings."""
+    """`uniform` makes every HPS arm exactly DPO with a random negative (same draws, same weights, same label
+    smoothing), whatever γ the arm asks for; `easy` forces γ = −5; neither touches the baselines' settings."""
     from dataclasses import replace
 
     from lab.align.hps import CONTROLS, Config, make_toy, train
@@ -87,14 +115,17 @@ def test_controls_replace_only_the_sampler():
     base = replace(Config.for_scale("smoke"), n_prompts=3, sft_steps=5, d_model=16, steps=4)
     uni = replace(Config.for_scale("smoke", "uniform"), n_prompts=3, sft_steps=5, d_model=16, steps=4)
     easy = Config.for_scale("smoke", "easy")
-    assert (uni.gamma, uni.curriculum) == (0.0, (0.0, 0.0)) and (easy.gamma, easy.curriculum) == (-5.0, (-5.0, -5.0))
-    assert replace(uni, gamma=base.gamma, curriculum=base.curriculum) == base and set(CONTROLS) == {"uniform", "easy"}
+    assert (base.forced_gamma, uni.forced_gamma, easy.forced_gamma) == (None, 0.0, -5.0)
+    assert replace(uni, forced_gamma=None) == base and set(CONTROLS) == {"uniform", "easy"}
+    assert base.label_smoothing == 0.1 and base.beta == 0.25  # the official training config
     toy = make_toy(base, 0)
-    a, b = train("hps", toy, uni, 0), train("dpo random", toy, base, 0)
-    for p, q in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    b = train("dpo random", toy, base, 0)
+    for arm, gamma in (("hps", None), ("hps", 2.0), ("hps curriculum", None)):
+        a = train(arm, toy, uni, 0, gamma=gamma)
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
     c = train("hps", toy, base, 0)  # the paper's γ = 5 does move differently
-    assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+    assert any(not torch.equal(p, q) for p, q in zip(b.parameters(), c.parameters()))
     with pytest.raises(ValueError, match="unknown control"):
         Config.for_scale("smoke", "nonsense")
 
@@ -123,12 +154,13 @@ def test_sft_and_preference_training_are_plain_adam_loops_bit_for_bit():
     with torch.no_grad():
         ref = seq_logprobs(toy.reference, toy.prompts, toy.cands, cfg.V)
     torch.testing.assert_close(candidate_logprobs(toy.reference, toy, cfg), ref, rtol=0, atol=0)
+    cfg = replace(cfg, steps=10)
     policy = train("hps curriculum", toy, cfg, 7, quiet=True)
     naive, g = copy.deepcopy(toy.reference).train(), torch.Generator().manual_seed(7)
     opt = torch.optim.Adam(naive.parameters(), lr=cfg.lr)
-    for gamma in (-5.0, -2.5, 0.0, 2.5, 5.0):  # 5 steps: one per curriculum chunk
+    for gamma in official_hard_i(cfg.steps):  # step i of the run is sample i of the official loop
         pi = seq_logprobs(naive, toy.prompts, toy.cands, cfg.V)
-        hps(pi, ref, beta=cfg.beta, r=toy.r, gamma=gamma, generator=g, normalizer=False).mean().backward()
+        hps(pi, ref, beta=cfg.beta, r=toy.r, gamma=gamma, generator=g, label_smoothing=0.1).mean().backward()
         opt.step()
         opt.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), naive.parameters()))
