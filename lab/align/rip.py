@@ -41,7 +41,7 @@ CONTROLS = {"random_filter": "RIP's filter replaced by a uniformly random subset
 class Config:
     """The instruction-world toy (`lab.data.instructions`): a 2-layer Llama seed model SFT'd on the world, a
     pool of prompts with N samples each, a fresh pool for Self-RIP's post-filter, identical DPO on each
-    subset (β = 0.1, lr 3e-4, batch 32, reference = the seed model)."""
+    subset for the same number of epochs (β = 0.1, lr 1e-4, batch 32, reference = the seed model)."""
 
     base: TinyLM = TinyLM(d_model=64, n_layers=2, n_heads=4, max_len=20, steps=150, batch_size=64, lr=3e-3)
     n_eval: int = 400  # held-out clean prompts scored after each DPO run
@@ -50,16 +50,17 @@ class Config:
     n_samples: int = 8  # N responses per prompt
     n_fresh: int = 400  # Self-RIP's fresh pool
     fresh_bad_frac: float = 0.3  # its share of low-quality prompts
-    dpo_steps: int = 150
-    dpo_lr: float = 3e-4
+    dpo_epochs: float = 2.0  # equal epochs on every subset: steps = epochs · |subset| / batch
+    dpo_lr: float = 1e-4
     dpo_batch: int = 32
     dpo_beta: float = 0.1
+    rpo_alpha: float = 1.0  # the RPO arms: DPO + α · per-token NLL of the chosen response
 
     @classmethod
     def for_scale(cls, scale: str, control: str = "") -> Config:
         """Sizes for the scale; the control (see `CONTROLS`) only changes the filter, not a size."""
         check_control(control, CONTROLS)
-        return cls() if scale == "smoke" else cls(n_eval=1000, n_pool=3000, n_samples=16, n_fresh=1500, dpo_steps=500)
+        return cls() if scale == "smoke" else cls(n_eval=1000, n_pool=3000, n_samples=16, n_fresh=1500, dpo_epochs=3.0)
 
 
 @dataclass
@@ -76,12 +77,13 @@ class Pool:
 
 
 def best_vs_worst(r: Tensor, length: Tensor) -> Pool:
-    """From rewards r (Q, N) and response lengths (Q, N): the pairs and the three RIP metrics. Among
-    equally rewarded worst samples the shortest is the rejected one (ties broken towards the signal)."""
+    """From rewards r (Q, N) and response lengths (Q, N): the pairs and the three RIP metrics. Ties are broken
+    as the public re-implementation (LumiOpen/rip `score_generation_output`) does by sorting the samples by
+    reward, descending, with Python's stable sort: the chosen is the first best sample in generation order,
+    the rejected the last worst one. Neither depends on length, so m2 is not inflated by the tie-break."""
     Q = torch.arange(len(r))
-    w = r.argmax(1)
-    key = r * (length.max() + 1) + length  # lexicographic: lowest reward, then shortest
-    l = key.argmin(1)
+    w = r.argmax(1)  # the first maximal index (torch's documented tie rule): the sorted list's head
+    l = r.shape[1] - 1 - r.flip(1).argmin(1)  # the last minimal index: the sorted list's tail
     rw, rl = r[Q, w], r[Q, l]
     return Pool(w, l, rw, rl, length[Q, l].float(), rw - rl, rw > rl)
 
@@ -123,6 +125,42 @@ def single_filters(pool: Pool, q: float = 0.5) -> dict[str, Tensor]:
             "small gap only": v & (pool.m3 <= at(pool.m3)),
             "chosen reward only": v & (pool.chosen_reward >= at(pool.chosen_reward)),
             "large gap": v & (pool.m3 > at(pool.m3))}
+
+
+def jaccard(a: Tensor, b: Tensor) -> float:
+    """|A ∩ B| / |A ∪ B| of two token sequences' token sets (1 when both are empty)."""
+    A, B = set(a.tolist()), set(b.tolist())
+    return len(A & B) / len(A | B) if A | B else 1.0
+
+
+@torch.no_grad()
+def cheap_filters(world: InstructionWorld, model, prompts: dict[str, Tensor], Y: Tensor, pool: Pool, q: float,
+                  device: str = "cpu") -> dict[str, Tensor]:
+    """The paper's cheaper baselines (Table 2), on the valid pool: a prompt-only judge (here: the prompt is
+    well-formed, all six digits shown — what a judge of the instruction alone can see), IFD = s(A|Q)/s(A) and
+    ppl(chosen) under the seed model, each keeping its 25–100 percentile range (s = mean NLL of the chosen
+    answer with / without the prompt), and the Jaccard token overlap of chosen and rejected at q."""
+    from lab.align.train import response_logps
+
+    v, Q = pool.valid, torch.arange(len(Y))
+    yw, yl = Y[Q, pool.w], Y[Q, pool.l]
+    mw, ml = world.response_mask(yw), world.response_mask(yl)
+    x = prompts["prompt"].to(device)
+
+    def s(context: Tensor) -> Tensor:  # mean NLL of the chosen answer's tokens
+        return -response_logps(model, context, yw.to(device), mw.to(device)).sum(-1).cpu() / mw.sum(-1)
+
+    with_q, alone = s(x), s(x[:, :1])  # alone: after <bos> only
+    ifd, ppl = with_q / alone, with_q.exp()
+    overlap = torch.tensor([jaccard(a[ma], b[mb]) for a, ma, b, mb in zip(yw, mw, yl, ml)])
+
+    def at(m, qq):
+        return torch.quantile(m[v], qq).item()
+
+    well_formed = (prompts["prompt"] != world.ids(["_"])[0]).all(-1)
+    return {"prompt-only judge": v & well_formed, "IFD (25–100 %)": v & (ifd >= at(ifd, 0.25)),
+            "ppl(chosen) (25–100 %)": v & (ppl >= at(ppl, 0.25)),
+            "chosen–rejected overlap": v & (overlap >= at(overlap, q))}
 
 
 def random_subset(valid: Tensor, size: int, generator: torch.Generator) -> Tensor:
@@ -188,25 +226,37 @@ def dpo_loss(batch: dict[str, Tensor], *, beta: float) -> Tensor:
     return losses.dpo(pi, ref, beta=beta).mean()
 
 
+def rpo_loss(batch: dict[str, Tensor], *, beta: float, alpha: float) -> Tensor:
+    """Mean RPO loss (`losses.rpo`: DPO + α · NLL of the chosen response per token) of a `train_pairs` batch."""
+    pi = torch.stack([batch["pi_w"].sum(-1), batch["pi_l"].sum(-1)], 1)
+    ref = torch.stack([batch["ref_w"].sum(-1), batch["ref_l"].sum(-1)], 1)
+    return losses.rpo(pi, ref, beta=beta, alpha=alpha, chosen_len=batch["chosen_len"]).mean()
+
+
 def subset_pairs(world: InstructionWorld, prompts: dict[str, Tensor], Y: Tensor, pool: Pool, mask: Tensor,
                  device: str = "cpu") -> dict[str, Tensor]:
-    """The best-vs-worst pairs of the prompts in `mask`, unchanged, as `train_pairs` takes them."""
+    """The best-vs-worst pairs of the prompts in `mask`, unchanged, as `train_pairs` takes them (with the chosen
+    response's token count, for RPO's per-token NLL)."""
     Q = torch.arange(len(Y))
     yw, yl = Y[Q, pool.w][mask], Y[Q, pool.l][mask]
     pairs = {"prompt": prompts["prompt"][mask], "chosen": yw, "rejected": yl,
              "chosen_mask": world.response_mask(yw), "rejected_mask": world.response_mask(yl)}
+    pairs["chosen_len"] = pairs["chosen_mask"].sum(-1).float()
     return {k: v.to(device) for k, v in pairs.items()}
 
 
 def dpo_on_subsets(world: InstructionWorld, model, prompts: dict[str, Tensor], Y: Tensor, pool: Pool,
                    subsets: dict[str, Tensor], cfg: Config, *, seed: int, eval_prompts: dict[str, Tensor],
-                   generator: torch.Generator, device: str = "cpu") -> dict[str, dict[str, float]]:
-    """Identical DPO from `model` (also the reference) on each subset of the pool (Fig. 1, Tables 2 and 20);
-    {subset: the result's judge reward on `eval_prompts`, greedy and sampled}."""
+                   generator: torch.Generator, device: str = "cpu", loss: str = "dpo") -> dict[str, dict[str, float]]:
+    """Identical DPO (or RPO, `loss="rpo"`) from `model` (also the reference) on each subset of the pool for
+    `cfg.dpo_epochs` epochs (Fig. 1, Tables 2 and 20); {subset: the result's judge reward on `eval_prompts`,
+    greedy and sampled}."""
+    fn = (partial(dpo_loss, beta=cfg.dpo_beta) if loss == "dpo" else
+          partial(rpo_loss, beta=cfg.dpo_beta, alpha=cfg.rpo_alpha))
     out = {}
     for name, mask in subsets.items():
-        policy, _ = train_pairs(model, subset_pairs(world, prompts, Y, pool, mask, device),
-                                partial(dpo_loss, beta=cfg.dpo_beta), steps=cfg.dpo_steps, lr=cfg.dpo_lr,
-                                batch_size=cfg.dpo_batch, seed=seed, desc=name)
+        steps = max(1, round(cfg.dpo_epochs * int(mask.sum()) / cfg.dpo_batch))
+        policy, _ = train_pairs(model, subset_pairs(world, prompts, Y, pool, mask, device), fn, steps=steps,
+                                lr=cfg.dpo_lr, batch_size=cfg.dpo_batch, seed=seed, desc=f"{loss} {name}")
         out[name] = world.model_reward(policy, eval_prompts, generator, samples=cfg.eval_samples, device=device)
     return out

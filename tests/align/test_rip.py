@@ -30,11 +30,30 @@ def toy_pool():
 def test_best_vs_worst_metrics_by_hand():
     r, length = toy_pool()
     p = R.best_vs_worst(r, length)
-    assert p.w.tolist()[:5] == [2, 1, 0, 1, 0] and p.l.tolist() == [1, 0, 2, 3, 1, 2]  # tie at 0.5: the shortest
+    assert p.w.tolist() == [2, 1, 0, 1, 0, 0] and p.l.tolist() == [1, 0, 2, 3, 1, 3]  # all tied: the last
     torch.testing.assert_close(p.m1, torch.tensor([0.8, 0.7, 0.9, 0.0, 0.05, 0.5]))
-    assert p.m2.tolist() == [6, 6, 4, 1, 0, 3]
+    assert p.m2.tolist() == [6, 6, 4, 1, 0, 6]
     torch.testing.assert_close(p.m3, torch.tensor([0.2, 0.2, 0.1, 0.9, 0.75, 0.0]))
     assert p.valid.tolist() == [True] * 5 + [False]
+
+
+def lumiopen_pair(rewards: list[float]) -> tuple[int, int]:
+    """The public re-implementation's choice (LumiOpen/rip): sort the samples by score, descending, with
+    Python's stable sort; best = the head, worst = the tail."""
+    order = sorted(range(len(rewards)), key=lambda i: rewards[i], reverse=True)
+    return order[0], order[-1]
+
+
+def test_ties_are_broken_as_the_public_reimplementation_not_by_length():
+    g = torch.Generator().manual_seed(0)
+    r = torch.randint(0, 7, (500, 8), generator=g).float() / 6  # rewards in steps of 1/6: many ties
+    length = torch.randint(0, 8, (500, 8), generator=g)
+    p = R.best_vs_worst(r, length)
+    want = [lumiopen_pair(row) for row in r.tolist()]
+    assert p.w.tolist() == [a for a, _ in want] and p.l.tolist() == [b for _, b in want]
+    # the old rule (shortest among the worst) would bias m2 downwards; this one is length-blind
+    shortest = (r * (length.max() + 1) + length).argmin(1)
+    assert (shortest != p.l).any()
 
 
 def test_thresholds_over_the_valid_pool_and_the_conjunction():
@@ -92,9 +111,9 @@ WORLD = InstructionWorld()
 
 def test_config_lists_the_sizes_of_each_scale():
     smoke, full = R.Config.for_scale("smoke"), R.Config.for_scale("full", "random_filter")
-    assert (smoke.n_pool, smoke.n_samples, smoke.n_eval, smoke.n_fresh, smoke.dpo_steps) == (800, 8, 400, 400, 150)
-    assert (full.n_pool, full.n_samples, full.n_eval, full.n_fresh, full.dpo_steps) == (3000, 16, 1000, 1500, 500)
-    assert (smoke.dpo_beta, smoke.dpo_lr, smoke.dpo_batch, smoke.fresh_bad_frac) == (0.1, 3e-4, 32, 0.3)
+    assert (smoke.n_pool, smoke.n_samples, smoke.n_eval, smoke.n_fresh, smoke.dpo_epochs) == (800, 8, 400, 400, 2.0)
+    assert (full.n_pool, full.n_samples, full.n_eval, full.n_fresh, full.dpo_epochs) == (3000, 16, 1000, 1500, 3.0)
+    assert (smoke.dpo_beta, smoke.dpo_lr, smoke.dpo_batch, smoke.fresh_bad_frac) == (0.1, 1e-4, 32, 0.3)
     with pytest.raises(FrozenInstanceError):
         smoke.n_pool = 1
     with pytest.raises(ValueError, match="not a control"):
@@ -188,24 +207,63 @@ def test_seed_model_is_the_tiny_llama_fit_on_the_world():
     assert all(torch.equal(a, b) for a, b in zip(run.model.parameters(), ref.model.parameters()))
 
 
-def test_dpo_on_subsets_is_train_pairs_with_dpo_then_the_clean_reward():
+@pytest.mark.parametrize("loss", ["dpo", "rpo"])
+def test_dpo_on_subsets_is_train_pairs_for_equal_epochs_then_the_clean_reward(loss):
     torch.manual_seed(0)
     model = tiny_llama(vocab_size=len(WORLD.tokenizer), d_model=16, n_layers=1, n_heads=2, max_len=20).eval()
     g = torch.Generator().manual_seed(5)
     p, Y, pool = R.make_pool(WORLD, model, 24, 0.3, 3, generator=g)
     evalp = WORLD.prompts(10, g, bad_frac=0.0)
-    cfg = replace(R.Config(), dpo_steps=3, dpo_batch=4, eval_samples=2)
+    cfg = replace(R.Config(), dpo_epochs=1.0, dpo_batch=4, eval_samples=2)
     subsets = {"a": pool.valid, "b": pool.valid & (torch.arange(24) % 2 == 0)}
     got = R.dpo_on_subsets(WORLD, model, p, Y, pool, subsets, cfg, seed=1, eval_prompts=evalp,
-                           generator=torch.Generator().manual_seed(9))
+                           generator=torch.Generator().manual_seed(9), loss=loss)
 
-    def dpo(b):  # the loss as written out by hand
+    def by_hand(b):  # the loss as written out by hand; RPO adds the chosen response's per-token NLL
         h = (b["pi_w"].sum(-1) - b["ref_w"].sum(-1)) - (b["pi_l"].sum(-1) - b["ref_l"].sum(-1))
-        return -F.logsigmoid(0.1 * h).mean()
+        nll = -b["pi_w"].sum(-1) / b["chosen_mask"].sum(-1) if loss == "rpo" else 0.0
+        return (-F.logsigmoid(0.1 * h) + nll).mean()
 
     g = torch.Generator().manual_seed(9)
     for name, m in subsets.items():
-        policy, _ = train_pairs(model, R.subset_pairs(WORLD, p, Y, pool, m), dpo, steps=3, lr=3e-4, batch_size=4,
-                                seed=1, quiet=True)
+        pairs = R.subset_pairs(WORLD, p, Y, pool, m)
+        pairs["chosen_mask_"] = pairs["chosen_mask"]  # an extra, so the hand-written loss sees it per batch
+        steps = max(1, round(int(m.sum()) / 4))  # one epoch: as many steps as batches of 4 in the subset
+        policy, _ = train_pairs(model, pairs, lambda b: by_hand({**b, "chosen_mask": b["chosen_mask_"]}),
+                                steps=steps, lr=1e-4, batch_size=4, seed=1, quiet=True)
         want = WORLD.model_reward(policy, evalp, g, samples=2)
         assert got[name] == pytest.approx(want, abs=1e-6), name
+
+
+def test_jaccard_by_hand():
+    assert R.jaccard(torch.tensor([1, 2, 3]), torch.tensor([3, 2, 2, 9])) == pytest.approx(2 / 4)
+    assert R.jaccard(torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)) == 1.0
+
+
+def test_cheap_filters_against_a_per_example_loop():
+    """IFD = s(A|Q)/s(A) and ppl(chosen) by explicit per-example cross-entropies, kept from the 25th percentile;
+    the prompt-only judge drops exactly the truncated prompts; the overlap filter keeps the high-overlap pairs."""
+    world = InstructionWorld(bad_frac=0.6)
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = tiny_llama(vocab_size=len(world.tokenizer), d_model=16, n_layers=1, n_heads=2, max_len=20).eval()
+    p = world.prompts(40, g)
+    Y = sample_responses(model, p["prompt"], 4, RESPONSE_LEN, generator=g, temperature=1.0)
+    pool = R.best_vs_worst(world.reward(p, Y, g), world.length(Y))
+    got = R.cheap_filters(world, model, p, Y, pool, 0.5)
+
+    def s(context, y):  # mean NLL of y's tokens up to and including <eos>, one example at a time
+        n = int(world.response_mask(y).sum())
+        logits = model(input_ids=torch.cat([context, y])[None]).logits[0]
+        return F.cross_entropy(logits[len(context) - 1:len(context) - 1 + n], y[:n]).item()
+
+    with torch.no_grad():
+        yw = Y[torch.arange(40), pool.w]
+        with_q = torch.tensor([s(p["prompt"][i], yw[i]) for i in range(40)])
+        alone = torch.tensor([s(p["prompt"][i, :1], yw[i]) for i in range(40)])
+    v = pool.valid
+    ifd, ppl = with_q / alone, with_q.exp()
+    assert got["IFD (25–100 %)"].tolist() == (v & (ifd >= torch.quantile(ifd[v], 0.25))).tolist()
+    assert got["ppl(chosen) (25–100 %)"].tolist() == (v & (ppl >= torch.quantile(ppl[v], 0.25))).tolist()
+    assert got["prompt-only judge"].tolist() == (v & (p["kind"] != 3)).tolist()
+    assert (got["chosen–rejected overlap"] <= v).all() and 0 < got["chosen–rejected overlap"].sum() <= v.sum()
