@@ -12,6 +12,10 @@ The first term is the BT likelihood with the *policy's own* log-probs (minimizer
 mass-covering regularizer (minimizer: π_ref). The official code computes the KL with
 `F.kl_div(log π_θ, log π_ref, log_target=True)` and the default `reduction="mean"`, which divides
 by the number of responses: `kl_scale="mean"` mirrors that (effective weight λ/|Y|), "sum" does not.
+
+Beyond the toys the KL cannot be enumerated: `reference_kl` estimates it by the token-level KL summed along
+responses *sampled from π_ref* (unbiased by the chain rule); summed along a preference dataset's chosen
+responses it is not KL(π_ref‖π_θ) (`token_kl_expectations` measures the gap exactly on the tiny LM).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from lab.align.exact import all_sequences, fit_exact, seq_logprobs
 from lab.align.train import optimize
 
 METHODS = ("dpo", "ipo", "fdpo_js", "rlhf", "expo")  # the §5 comparison; λ is β for the DPO family
-CONTROLS = {"dpo": "EXPO replaced by DPO (β = λ) in the same solves and trainings (same data, λ, lr and steps)"}
+SAMPLED = ("dpo", "ipo", "fdpo_js", "expo")  # the four methods of the official interpolation notebook
+CONTROLS = {"dpo": "EXPO replaced by DPO (β = λ) in the same solves and trainings (same data, λ, lr and steps)",
+            "no_kl": "EXPO without its regularizer: the supervised BT term alone (λ·KL(π_ref‖π_θ) dropped)"}
 
 
 @dataclass(frozen=True)
@@ -40,9 +46,10 @@ class Config:
     interp_log_lams: tuple[float, ...] = (-5, -3, -2, -1, 0, 1, 2, 3, 5)
     preserve_log_lams: tuple[float, ...] = (-3, -2, -1, 0, 1, 2, 3)
     n_pairs: int = 300  # sampled variant: uniform draws before dropping ties (official: 300)
-    epochs: int = 300  # sampled variant (official: 1000)
-    sampled_lam: float = 1e-5  # the vanishing λ of the sampled variant
-    lr_dpo: float = 1e-3
+    epochs: int = 300  # sampled variant, DPO / IPO / EXPO (official: 1000)
+    fdpo_epochs: int = 900  # sampled variant, f-DPO (official: 3000, three times the others)
+    sampled_lams: tuple[float, ...] = (1e-5, 100.0)  # the official interpolation notebook's two λ
+    lr_dpo: float = 1e-3  # DPO, IPO and f-DPO (official)
     lr_expo: float = 5e-4
     # tiny transformer: every response of length L over V tokens is enumerated (V^L per prompt)
     V: int = 6
@@ -63,7 +70,8 @@ class Config:
             raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
         grid = tuple(x / 2 for x in range(-10, 11))
         sizes = {} if scale == "smoke" else dict(interp_log_lams=grid, preserve_log_lams=grid, epochs=1000,
-                                                   lm_lams=(0.03, 0.1, 0.3, 1.0, 3.0, 10.0), lm_steps=400)
+                                                   fdpo_epochs=3000, lm_lams=(0.03, 0.1, 0.3, 1.0, 3.0, 10.0),
+                                                   lm_steps=400)
         return cls(**sizes, **({"expo_loss": control} if control else {}))  # each control names the loss it trains
 
     def grids(self) -> dict[str, tuple[float, ...]]:
@@ -73,6 +81,12 @@ class Config:
     def loss(self, method: str) -> str:
         """The loss actually trained for `method`: EXPO's substitute under a control, else the method itself."""
         return self.expo_loss if method == "expo" else method
+
+    def schedule(self, method: str) -> tuple[float, int]:
+        """(lr, epochs) of the sampled variant, as the official notebook: EXPO at 5e-4 (also under a control),
+        the others at 1e-3, f-DPO for three times the epochs."""
+        return (self.lr_expo if method == "expo" else self.lr_dpo), (self.fdpo_epochs if method == "fdpo_js"
+                                                                     else self.epochs)
 
     @staticmethod
     def settings() -> dict[str, tuple[Tensor, Tensor]]:
@@ -84,8 +98,8 @@ class Config:
 
 def expo(pi: Tensor, ref: Tensor, *, lam: float = 1.0, kl: Tensor) -> Tensor:
     """Per-example EXPO loss on (B, 2) log-probs: −log σ(π_w − π_l) + λ·kl, with `kl` (B,) an
-    estimate of KL(π_ref(·|x) ‖ π_θ(·|x)) for each example's prompt (`kl_exact`, or a token-level
-    or reference-sample estimate at LM scale). `ref` is unused by the supervised term, by design."""
+    estimate of KL(π_ref(·|x) ‖ π_θ(·|x)) for each example's prompt (`kl_exact` over enumerable responses,
+    `reference_kl` beyond). `ref` is unused by the supervised term, by design."""
     if pi.ndim != 2 or pi.shape[1] != 2:
         raise ValueError(f"EXPO is pairwise: pi must be (B, 2); got {tuple(pi.shape)}.")
     return F.softplus(-(pi[:, 0] - pi[:, 1])) + lam * kl
@@ -96,6 +110,16 @@ def kl_exact(logp_ref: Tensor, logp: Tensor, *, scale: str = "sum") -> Tensor:
     divides by |Y| as the official `F.kl_div(reduction="mean")` does."""
     kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1)
     return kl / logp.shape[-1] if scale == "mean" else kl
+
+
+def pair_loss(method: str, pi: Tensor, ref: Tensor, lam: float, kl: Tensor | None = None) -> Tensor:
+    """Per-pair loss (B,) of `method` on (B, 2) log-probs: a registry loss of the DPO family with β = λ,
+    "expo" with `kl` (B,) its KL estimate, or "no_kl" (the control: EXPO's supervised term alone)."""
+    from lab.align import LOSSES
+
+    if method == "no_kl":
+        return expo(pi, ref, lam=0.0, kl=torch.zeros(len(pi), dtype=pi.dtype))
+    return expo(pi, ref, lam=lam, kl=kl) if method == "expo" else LOSSES[method](pi, ref, beta=lam)
 
 
 # ------------------------------------------------------------------ the exact tabular setting (§5)
@@ -118,20 +142,15 @@ def population_loss(method: str, logits: Tensor, pi_ref: Tensor, pi_star: Tensor
                     kl_scale: str = "mean", pairs: str = "uniform") -> Tensor:
     """The expected loss of `method` for one prompt with K responses (tabular policy softmax(logits)).
 
-    Methods: the registry's pairwise losses ("dpo", "ipo", "fdpo_js") with β = λ as in the official
-    code, "expo", and "rlhf" (exact KL-regularised RL with reward log π*)."""
-    from lab.align import LOSSES
-
+    Methods: `pair_loss`'s ("dpo", "ipo", "fdpo_js" with β = λ as in the official code, "expo", "no_kl")
+    and "rlhf" (exact KL-regularised RL with reward log π*)."""
     logp, logp_ref = logits.log_softmax(-1), pi_ref.log()
     if method == "rlhf":
         return -(logp.exp() * (pi_star.log() - lam * (logp - logp_ref))).sum()
     i, j, w = pair_table(pi_ref, pi_star, pairs=pairs)
     pi, ref = torch.stack([logp[i], logp[j]], 1), torch.stack([logp_ref[i], logp_ref[j]], 1)  # (P, 2)
-    if method == "expo":
-        per_pair = expo(pi, ref, lam=lam, kl=kl_exact(logp_ref, logp, scale=kl_scale).expand(len(i)))
-    else:
-        per_pair = LOSSES[method](pi, ref, beta=lam)
-    return (w * per_pair).sum()
+    kl = kl_exact(logp_ref, logp, scale=kl_scale).expand(len(i)) if method == "expo" else None
+    return (w * pair_loss(method, pi, ref, lam, kl)).sum()
 
 
 def solve(method: str, pi_ref: Tensor, pi_star: Tensor, lam: float, *, kl_scale: str = "mean",
@@ -183,46 +202,62 @@ def sample_pairs(pi_star: Tensor, n: int, generator: torch.Generator) -> tuple[T
     return torch.where(a_wins, a, b), torch.where(a_wins, b, a)
 
 
-def train_tabular(method: str, y_w: Tensor, y_l: Tensor, pi_ref: Tensor, lam: float, *, epochs: int,
-                  lr: float, batch_size: int = 20, record_every: int = 50,
-                  quiet: bool | None = None) -> tuple[Tensor, Tensor]:
-    """Adam on a tabular policy from π_ref's logits over the pairs, in order, `epochs` times, as the
-    official `train` (grad-norm clip 10). Returns the final policy (K,) and its trajectory (S, K):
-    the policy after every `record_every` steps."""
-    from lab.align import LOSSES
-
-    logits = pi_ref.log().clone().requires_grad_()
+def train_tabular(arms: dict, y_w: Tensor, y_l: Tensor, pi_ref: Tensor, *, batch_size: int = 20,
+                  record_every: int = 50, grad_clip: float = 10.0,
+                  quiet: bool | None = None) -> dict[object, tuple[Tensor, Tensor]]:
+    """The official `train`, for several tabular policies at once: each arm `{key: (loss, λ, lr, epochs)}`
+    is a policy started from π_ref's logits and trained with Adam over the pairs, in order, `epochs` times,
+    its gradient norm clipped to 10. The arms step in lockstep on the same batches but share nothing (own
+    parameters, Adam state, clipping), so each takes exactly the steps it would take alone; an arm stops
+    after its own epochs. Returns {key: (final π_θ (K,), trajectory (S, K))}: the policy after every
+    `record_every` of the arm's steps."""
     logp_ref = pi_ref.log()
-    starts = range(0, len(y_w), batch_size)
-    traj = []
+    pairs = [(y_w[s:s + batch_size], y_l[s:s + batch_size]) for s in range(0, len(y_w), batch_size)]
+    refs = [torch.stack([logp_ref[w], logp_ref[l]], 1) for w, l in pairs]  # (B, 2) per batch, fixed
+    logits = {k: pi_ref.log().clone().requires_grad_() for k in arms}
+    steps = {k: epochs * len(pairs) for k, (_, _, _, epochs) in arms.items()}
+    for x in logits.values():  # per-arm clip_grad_norm_(·, 10), applied to the arm's gradient alone
+        x.register_hook(lambda g: g * (grad_clip / (torch.linalg.vector_norm(g) + 1e-6)).clamp(max=1.0))
+    traj = {k: [] for k in arms}
 
     def step_loss(step: int) -> Tensor:
-        if step and step % record_every == 0:  # the policy after `step` updates
-            traj.append(logits.detach().softmax(-1))
-        s = starts[step % len(starts)]
-        w, l = y_w[s:s + batch_size], y_l[s:s + batch_size]
-        logp = logits.log_softmax(-1)
-        pi, ref = torch.stack([logp[w], logp[l]], 1), torch.stack([logp_ref[w], logp_ref[l]], 1)
-        if method == "expo":
-            return expo(pi, ref, lam=lam, kl=kl_exact(logp_ref, logp, scale="mean").expand(len(w))).mean()
-        return LOSSES[method](pi, ref, beta=lam).mean()
+        (w, l), ref = pairs[step % len(pairs)], refs[step % len(pairs)]
+        total = []
+        for k, (method, lam, _, _) in arms.items():
+            if step >= steps[k]:  # done: no gradient, so Adam leaves it alone
+                continue
+            if step and step % record_every == 0:  # the policy after `step` updates
+                traj[k].append(logits[k].detach().softmax(-1))
+            logp = logits[k].log_softmax(-1)
+            pi = torch.stack([logp[w], logp[l]], 1)  # (B, 2), indexed as the official code does (same rounding)
+            kl = kl_exact(logp_ref, logp, scale="mean").expand(len(w)) if method == "expo" else None
+            total.append(pair_loss(method, pi, ref, lam, kl).mean())
+        return sum(total)
 
-    steps = epochs * len(starts)
-    optimize([logits], step_loss, steps=steps, lr=lr, grad_clip=10.0, desc=f"tabular {method}", quiet=quiet)
-    if steps % record_every == 0:
-        traj.append(logits.detach().softmax(-1))
-    return logits.detach().softmax(-1), torch.stack(traj)
+    groups = [{"params": [logits[k]], "lr": lr} for k, (_, _, lr, _) in arms.items()]  # each arm its own lr
+    optimize(groups, step_loss, steps=max(steps.values()), lr=groups[0]["lr"], desc="tabular", quiet=quiet)
+    for k in arms:
+        if steps[k] % record_every == 0:
+            traj[k].append(logits[k].detach().softmax(-1))
+    none = pi_ref.new_zeros(0, len(pi_ref))  # the trajectory of an arm shorter than `record_every` steps
+    return {k: (logits[k].detach().softmax(-1), torch.stack(traj[k]) if traj[k] else none) for k in arms}
 
 
 def sampled_runs(cfg: Config, pi_ref: Tensor, pi_star: Tensor, seed: int,
-                 methods: tuple[str, ...] = ("dpo", "expo")) -> tuple[dict[str, tuple[Tensor, Tensor]], int]:
-    """The official sampled experiment: `cfg.n_pairs` uniform pairs labelled by BT(π*) (generator seeded
-    with `seed`), then each method's tabular policy trained on them at λ = `cfg.sampled_lam` (DPO at
-    `cfg.lr_dpo`, every other loss at `cfg.lr_expo`). Returns {method: (final π_θ, trajectory)} and the
-    number of pairs kept."""
+                 methods: tuple[str, ...] = SAMPLED) -> tuple[dict[tuple[str, float], tuple[Tensor, Tensor]], int]:
+    """The official interpolation notebook: `cfg.n_pairs` uniform pairs labelled by BT(π*) (generator seeded
+    with `seed`), then every method's tabular policy trained on them at each λ of `cfg.sampled_lams`, with
+    the method's official lr and epochs (`Config.schedule`). Returns {(method, λ): (final π_θ, trajectory)}
+    and the number of pairs kept."""
     y_w, y_l = sample_pairs(pi_star, cfg.n_pairs, torch.Generator().manual_seed(seed))
-    return {m: train_tabular(cfg.loss(m), y_w, y_l, pi_ref, cfg.sampled_lam, epochs=cfg.epochs,
-                             lr=cfg.lr_dpo if m == "dpo" else cfg.lr_expo) for m in methods}, len(y_w)
+    arms = {(m, lam): (cfg.loss(m), lam, *cfg.schedule(m)) for lam in cfg.sampled_lams for m in methods}
+    return train_tabular(arms, y_w, y_l, pi_ref), len(y_w)
+
+
+def ref_gap(pi_ref: Tensor, pi_star: Tensor, pi: Tensor) -> float:
+    """KL(π_ref ‖ π_θ) / KL(π_ref ‖ π*): 0 when π_θ = π_ref, 1 when π_θ = π*. How far a policy is from
+    the λ → ∞ limit (π_ref), in units of the π*–π_ref gap."""
+    return kl_divergence(pi_ref, pi) / kl_divergence(pi_ref, pi_star)
 
 
 def sweep(method: str, pi_ref: Tensor, pi_star: Tensor, log_lams) -> Tensor:
@@ -243,12 +278,21 @@ def closed_form_gap(solutions: Tensor, pi_ref: Tensor, pi_star: Tensor, log_lams
     return (solutions - closed).abs().max().item()
 
 
-def monotonicity(log_lams, distances: Tensor) -> Tensor:
-    """Spearman rank correlation between log λ and a distance (L,) (ranks by sort order, no tie
-    averaging): 1 when the distance grows strictly with λ. What claim C2 reads on EXPO's KL(π*‖π_θ)."""
-    lams = torch.tensor(log_lams, dtype=torch.float64)
-    rank = [x.argsort().argsort().double() for x in (lams, distances)]
-    return torch.corrcoef(torch.stack(rank))[0, 1]
+def monotonicity(log_lams, distances: Tensor) -> float:
+    """Spearman rank correlation between log λ and a distance (L,), ties sharing their average rank: 1 when
+    the distance grows strictly with λ, undefined (nan, which fails any check) when it is constant. What C2
+    reads on EXPO's KL(π*‖π_θ)."""
+    from lab.core.stats import spearman
+
+    return spearman(torch.tensor(log_lams, dtype=torch.float64), distances.double())[0]
+
+
+def dip(distances: Tensor) -> float:
+    """How far a curve over increasing λ (L ≥ 3,) dips between its ends: min(d_first, d_last) − min of the
+    interior. Positive only when the curve falls and then rises again (DPO's non-monotone interpolation); any
+    monotone curve gives ≤ 0, unlike d_first − d_second, which a falling curve passes."""
+    d = distances.double()
+    return float(torch.minimum(d[0], d[-1]) - d[1:-1].min())
 
 
 def preservation_kl(method: str, log_lams, pi: Tensor | None = None) -> Tensor:
@@ -280,8 +324,6 @@ def train_lm(method: str, policy, prompts: Tensor, seqs: Tensor, ref_logp: Tenso
     """Preference training of a tiny LM: each step draws `batch` pairs per prompt from π_ref with soft
     BT labels from π* (the expected loss over labels), applies the method's pairwise loss, and for
     EXPO adds λ·KL(π_ref ‖ π_θ) computed exactly over all responses. Returns log π_θ (C, S)."""
-    from lab.align import LOSSES
-
     C = len(prompts)
 
     def step_loss(_: int) -> Tensor:
@@ -293,12 +335,8 @@ def train_lm(method: str, policy, prompts: Tensor, seqs: Tensor, ref_logp: Tenso
         ra, rb = ref_logp.gather(1, i).flatten(), ref_logp.gather(1, j).flatten()
         fwd, bwd = torch.stack([a, b], 1), torch.stack([b, a], 1)
         rfwd, rbwd = torch.stack([ra, rb], 1), torch.stack([rb, ra], 1)
-        if method == "expo":
-            kl_ = kl_exact(ref_logp, logp).repeat_interleave(batch)  # (C·batch,)
-            loss = p_ij * expo(fwd, rfwd, lam=lam, kl=kl_) + (1 - p_ij) * expo(bwd, rbwd, lam=lam, kl=kl_)
-        else:
-            f = LOSSES[method]
-            loss = p_ij * f(fwd, rfwd, beta=lam) + (1 - p_ij) * f(bwd, rbwd, beta=lam)
+        kl_ = kl_exact(ref_logp, logp).repeat_interleave(batch) if method == "expo" else None  # (C·batch,)
+        loss = p_ij * pair_loss(method, fwd, rfwd, lam, kl_) + (1 - p_ij) * pair_loss(method, bwd, rbwd, lam, kl_)
         return loss.sum() / C / batch
 
     optimize(policy.parameters(), step_loss, steps=steps, lr=lr, desc=f"LM {method}", quiet=quiet)
@@ -336,16 +374,71 @@ def lm_toy(cfg: Config, seed: int) -> LMToy:
     return LMToy(model.eval(), prompts, seqs, ref, star, kls[-1])
 
 
-def lm_sweep(toy: LMToy, cfg: Config, seed: int,
-             methods: tuple[str, ...] = ("dpo", "expo")) -> dict[tuple[str, float], Tensor]:
+def lm_sweep(toy: LMToy, cfg: Config, seed: int, methods: tuple[str, ...] = ("dpo", "expo")
+             ) -> tuple[dict[tuple[str, float], Tensor], dict[tuple[str, float], torch.nn.Module]]:
     """Train a copy of the toy's π_ref with each method at each λ of `cfg.lm_lams` (`train_lm`; pairs drawn
     from a generator seeded with seed + 1, the same for every run). Returns {(method, λ): KL(π* ‖ π_θ) on the
-    (good, bad) prompts (2,)}."""
-    out = {}
+    (good, bad) prompts (2,)} and {(method, λ): the trained policy}."""
+    kls, policies = {}, {}
     for method in methods:
         for lam in cfg.lm_lams:
-            logp = train_lm(cfg.loss(method), copy.deepcopy(toy.reference), toy.prompts, toy.seqs, toy.ref_logp,
-                            toy.star_logp, lam, V=cfg.V, steps=cfg.lm_steps, lr=cfg.lm_lr, batch=cfg.lm_batch,
+            policy = copy.deepcopy(toy.reference)
+            logp = train_lm(cfg.loss(method), policy, toy.prompts, toy.seqs, toy.ref_logp, toy.star_logp, lam,
+                            V=cfg.V, steps=cfg.lm_steps, lr=cfg.lm_lr, batch=cfg.lm_batch,
                             generator=torch.Generator().manual_seed(seed + 1))
-            out[method, lam] = (toy.star_logp.exp() * (toy.star_logp - logp)).sum(-1)
-    return out
+            kls[method, lam], policies[method, lam] = (toy.star_logp.exp() * (toy.star_logp - logp)).sum(-1), policy
+    return kls, policies
+
+
+# ------------------------------------- the regularizer beyond enumeration: KL(π_ref ‖ π_θ) from samples
+
+def token_dists(model, prompts: Tensor, responses: Tensor, V: int | None = None) -> Tensor:
+    """log π(· | x, y_<t) at every response position: prompts (N, P), responses (N, T) -> (N, T, V). `V`
+    restricts the next-token softmax to ids 0..V−1, as the enumerated toy does (`exact.seq_logprobs`)."""
+    logits = model(input_ids=torch.cat([prompts, responses], 1)).logits[:, prompts.shape[1] - 1:-1]  # (N, T, ·)
+    return (logits if V is None else logits[..., :V]).float().log_softmax(-1)
+
+
+def token_kl(ref_dists: Tensor, dists: Tensor) -> Tensor:
+    """Σ_t KL(π_ref(·|x, y_<t) ‖ π_θ(·|x, y_<t)) along each response: (N, T, V) log-distributions -> (N,)."""
+    return (ref_dists.exp() * (ref_dists - dists)).sum((-1, -2))
+
+
+@torch.no_grad()
+def sample_responses(model, prompts: Tensor, length: int, generator: torch.Generator, V: int | None = None) -> Tensor:
+    """Ancestral samples y ~ π(·|x) of `length` tokens, one per prompt row: (N, P) -> (N, length)."""
+    y = prompts[:, :0]
+    for _ in range(length):
+        logits = model(input_ids=torch.cat([prompts, y], 1)).logits[:, -1]  # (N, vocab)
+        probs = (logits if V is None else logits[:, :V]).float().softmax(-1)
+        y = torch.cat([y, torch.multinomial(probs, 1, generator=generator)], 1)
+    return y
+
+
+def reference_kl(reference, policy, prompts: Tensor, *, n: int, length: int, generator: torch.Generator,
+                 V: int | None = None) -> Tensor:
+    """EXPO's regularizer where responses cannot be enumerated: for each prompt row (N, P), the mean over `n`
+    responses sampled from π_ref of `token_kl`: (N,), differentiable in the policy. Unbiased for
+    KL(π_ref(·|x) ‖ π_θ(·|x)) over length-`length` responses, since E_{y~π_ref}[Σ_t KL_t] is that KL (chain
+    rule). Summed along other responses (a dataset's chosen ones) it estimates something else."""
+    x = prompts.repeat_interleave(n, 0)
+    y = sample_responses(reference, x, length, generator, V)
+    with torch.no_grad():
+        ref = token_dists(reference, x, y, V)
+    return token_kl(ref, token_dists(policy, x, y, V)).reshape(-1, n).mean(-1)
+
+
+def token_kl_expectations(toy: LMToy, policy, V: int) -> dict[str, Tensor]:
+    """Exactly, on the toy's enumerated responses, per prompt (C,): KL(π_ref ‖ π_θ); the expectation of the
+    summed token KL along responses drawn from π_ref (`reference_kl`'s); and along the *chosen* response of a
+    pair drawn from π_ref and labelled by BT(π*), i.e. a preference dataset's chosen responses, whose law is
+    q(y) = 2 π_ref(y) Σ_j π_ref(j) σ(log π*(y) − log π*(j))."""
+    C, S = toy.ref_logp.shape
+    x, y = toy.prompts[:, None].repeat_interleave(S, 0), toy.seqs.repeat(C, 1)  # (C·S, 1), (C·S, L)
+    with torch.no_grad():
+        tk = token_kl(token_dists(toy.reference, x, y, V), token_dists(policy, x, y, V)).reshape(C, S)
+        logp = seq_logprobs(policy, toy.prompts, toy.seqs, V)
+    p_ref, star = toy.ref_logp.exp(), toy.star_logp
+    chosen = 2 * p_ref * (torch.sigmoid(star[:, :, None] - star[:, None, :]) * p_ref[:, None, :]).sum(-1)  # (C, S)
+    return {"exact KL(π_ref‖π_θ)": kl_exact(toy.ref_logp, logp), "token KL along π_ref samples": (p_ref * tk).sum(-1),
+            "token KL along chosen responses": (chosen * tk).sum(-1)}

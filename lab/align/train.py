@@ -49,15 +49,18 @@ def sequence_logprobs(model, batch: dict[str, Tensor], *, with_dists: bool = Fal
 
 
 def chosen_token_kl(ref_dists: Tensor, dists: Tensor, batch: dict[str, Tensor]) -> Tensor:
-    """Σ_t KL(π_ref(·|prefix) ‖ π_θ(·|prefix)) over the chosen response's tokens: (B,). The
-    token-level estimate of EXPO's regularizer along dataset responses."""
+    """Σ_t KL(π_ref(·|prefix) ‖ π_θ(·|prefix)) over the chosen response's tokens: (B,). A surrogate for EXPO's
+    regularizer KL(π_ref ‖ π_θ): it equals that KL in expectation only when the responses are drawn from π_ref
+    (chain rule); along a preference dataset's chosen responses it under- or over-weights them (the 01 EXPO
+    notebook measures the gap; `lab.align.expo.reference_kl` is the unbiased estimator, on π_ref samples)."""
     B, n, T = batch["input_ids"].shape
     kl_t = (ref_dists.exp() * (ref_dists - dists)).sum(-1).reshape(B, n, T - 1)[:, 0]  # (B, T−1)
     return (kl_t * batch["response_mask"][:, 0, 1:]).sum(-1)
 
 
 def preference_loss(policy, reference, batch: dict[str, Tensor], loss: str, **options) -> Tensor:
-    """Mean registry loss of one batch; the reference runs without gradients."""
+    """Mean registry loss of one batch; the reference runs without gradients. EXPO gets `chosen_token_kl` as its
+    KL term (a surrogate on the batch's chosen responses, not the unbiased estimator; see that function)."""
     from lab.align import LOSSES
 
     pi, dists = sequence_logprobs(policy, batch, with_dists=True)
