@@ -16,7 +16,12 @@ on [0, 1] the density q(u) = exp(Φ(u)/β)/Z with KL(π‖π_ref) = ∫ q log q.
 
 and the optimal transformed reward is the fixed point R = R[q*] (BoN: R(w) = −N² ∫_w^1 v^{N−1} F(v)^{N−1} dv;
 WoN: −N² ∫_w^1 (1−v)^{N−1} (1−F(v))^{N−1} dv; N = 1 gives the identity). Everything is computed on a
-midpoint grid of M cells in float64.
+midpoint grid of M cells in float64 (∫_w^1 from the cell's midpoint: the exact derivative of the grid's win rate).
+
+Where calibration has work to do: prompts whose raw rewards have different scales, analytically
+(`heterogeneous`) and on a tiny transformer scored by exact enumeration (`lm_toy`, `lm_compare`), where CTRL's
+Ĉ from K base samples per prompt (`calibrate`, `calibration_sweep`) is set beside the exact C. The module is
+over the lab's ~300 lines because it holds both the analytical tool and the enumerated tiny transformer.
 """
 
 from __future__ import annotations
@@ -41,10 +46,14 @@ class Config:
     settings: tuple[tuple[str, int], ...] = (("bon", 1), ("bon", 4), ("bon", 16), ("won", 4), ("won", 16))
     bon_check_Ns: tuple[int, ...] = (2, 4, 16)  # N where log-calibrated RLHF must reproduce the BoN policy
     frontier_settings: tuple[tuple[str, int], ...] = (("bon", 1), ("bon", 4), ("won", 4))  # optimum and curves
-    opt_betas: tuple[float, float, int] = (-3, 1, 25)  # torch.logspace(start, end, steps): the optimum's β grid
+    opt_betas: tuple[float, float, int] = (-2, 0, 25)  # torch.logspace(start, end, steps): the optimum's β grid
+    # (it spans KL ≈ 0.1–1.3 or more in every frontier setting: the budgets, densely enough to interpolate)
     curve_betas: tuple[float, float, int] = (-3, 2, 40)  # the same for the frontier figure (β × Φ's range)
     curve_t: float = 10.0  # the exponentials drawn in the frontier figure
     explorer_M: int = 2000  # grid cells of the live explorer
+    # the analytical tool with prompts of heterogeneous reward scales (claim I2)
+    het_sigmas: tuple[float, ...] = (1.0, 0.2, 0.05)  # per-prompt scale σ of a raw N(0, σ²) reward
+    het_t: float = 10.0  # CTRL's exp(t·u) in that comparison
     # tiny transformer by exact enumeration: V^L responses, prompts with heterogeneous reward scales
     V: int = 6
     L: int = 3
@@ -55,6 +64,9 @@ class Config:
     lm_kl: float = 0.5
     lm_N: int = 4
     lm_ts: tuple[float, ...] = (5.0, 10.0)  # CTRL's exp(t·u) on the tiny transformer
+    cal_Ks: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 1024)  # base samples per prompt for the sampled Ĉ
+    cal_K: int = 32  # the K of claim I6
+    cal_draws: int = 8  # independent K-sample draws averaged per K
 
     @classmethod
     def for_scale(cls, scale: str) -> Config:
@@ -116,10 +128,11 @@ def transform(kind: str, t: float, control: str = "") -> Transform:
 
 # -------------------------------------------------------------------------- densities and metrics
 
-def density(phi: Transform | Tensor, beta: float, u: Tensor) -> Tensor:
-    """q(u) = exp(Φ(u)/β) / Z on the grid, normalized so that Σ q du = 1: (M,)."""
+def density(phi: Transform | Tensor, beta: float | Tensor, u: Tensor) -> Tensor:
+    """q(u) = exp(Φ(u)/β) / Z on the grid, normalized so that Σ q du = 1 along the last dim: (..., M). Φ given
+    as values may carry leading dims (one reward per prompt), β as a tensor too (one density per β)."""
     logq = (phi(u) if callable(phi) else phi) / beta
-    return (logq - torch.logsumexp(logq, 0) + math.log(len(u))).exp()
+    return (logq - torch.logsumexp(logq, -1, keepdim=True) + math.log(len(u))).exp()
 
 
 def kl_to_base(q: Tensor) -> float:
@@ -129,9 +142,9 @@ def kl_to_base(q: Tensor) -> float:
 
 
 def cdf(q: Tensor) -> Tensor:
-    """F(u) at the grid points (midpoint rule, half of the own cell)."""
-    c = q.cumsum(0) / len(q)
-    return c - q / (2 * len(q))
+    """F(u) at the grid points (midpoint rule, half of the own cell), along the last dim."""
+    M = q.shape[-1]
+    return (q.cumsum(-1) - q / 2) / M
 
 
 def win_rate(q: Tensor, N: int = 1, kind: str = "bon") -> float:
@@ -147,18 +160,22 @@ def win_rate(q: Tensor, N: int = 1, kind: str = "bon") -> float:
 
 
 def optimal_reward(q: Tensor, N: int, kind: str = "bon") -> Tensor:
-    """The transformed reward R[q] whose tilt is stationary for the T-win rate (the derivative)."""
-    u, F = grid(len(q)), cdf(q)
+    """The transformed reward R[q] whose tilt is stationary for the T-win rate (the derivative), along the
+    last dim of q."""
+    u, F = grid(q.shape[-1]), cdf(q)
     g = u ** (N - 1) * F ** (N - 1) if kind == "bon" else (1 - u) ** (N - 1) * (1 - F) ** (N - 1)
-    tail = g.flip(0).cumsum(0).flip(0) / len(q)  # ∫_w^1 g
+    tail = (g.flip(-1).cumsum(-1).flip(-1) - g / 2) / q.shape[-1]  # ∫_w^1 g from the midpoint w (half the own cell)
     return -N ** 2 * tail
 
 
-def fixed_point(beta: float, N: int, kind: str = "bon", *, M: int = 4000, iters: int = 1500,
+def fixed_point(beta: float | Tensor, N: int, kind: str = "bon", *, M: int = 4000, iters: int = 1500,
                 alpha: float = 0.1) -> Tensor:
-    """The InfAlign-optimal density at β: damped iteration q ← (1−α)q + α·softmax(R[q]/β)."""
+    """The InfAlign-optimal density at β: damped iteration q ← (1−α)q + α·softmax(R[q]/β): (M,), or (B, M)
+    for a tensor of B values of β (iterated together; each row is the iteration at its own β)."""
     u = grid(M)
-    q = torch.ones(M, dtype=torch.float64)
+    beta = torch.as_tensor(beta, dtype=torch.float64)
+    q = torch.ones(*beta.shape, M, dtype=torch.float64)
+    beta = beta[..., None]
     for _ in range(iters):
         q = (1 - alpha) * q + alpha * density(optimal_reward(q, N, kind), beta, u)
     return q
@@ -242,8 +259,10 @@ def matched_kl_table(cfg: Config, control: str = "") -> dict[tuple[str, float], 
 
 
 def optimum_frontier(N: int, kind: str, betas: Tensor, *, M: int = 2000, iters: int = 800) -> tuple[Tensor, Tensor]:
-    """(KL, T-win rate) of the fixed-point optimum (`fixed_point`) along a β grid."""
-    return frontier(lambda b: fixed_point(b, N, kind, M=M, iters=iters), betas, N, kind)
+    """(KL, T-win rate) of the fixed-point optimum (`fixed_point`) along a β grid (all β iterated at once)."""
+    qs = fixed_point(betas, N, kind, M=M, iters=iters)
+    return (torch.tensor([kl_to_base(q) for q in qs], dtype=torch.float64),
+            torch.tensor([win_rate(q, N, kind) for q in qs], dtype=torch.float64))
 
 
 def optima(cfg: Config) -> dict[tuple[str, float], float]:
@@ -276,6 +295,38 @@ def frontier_curves(cfg: Config, u: Tensor) -> dict[str, dict[str, tuple[list[fl
         by = {label: tilt_frontier(phi, betas, N, kind, u) for label, phi in transforms.items()}
         curves[setting_name(kind, N)] = {label: (kls.tolist(), wins.tolist()) for label, (kls, wins) in by.items()}
     return curves
+
+
+def shared_beta(R: Tensor, u: Tensor, target: float) -> float:
+    """One β for all prompts (rows of R, (P, M)) with mean KL(q_β ‖ U[0, 1]) = target (bisection on log β)."""
+    lo, hi = -15.0, 15.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        q = density(R, math.exp(mid), u)
+        lo, hi = (mid, hi) if float((q * q.clamp_min(1e-300).log()).mean(-1).mean()) > target else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+def heterogeneous(cfg: Config, control: str = "") -> dict[str, dict[str, float | list[float]]]:
+    """The analytical tool with several prompts whose raw rewards have different scales: under π_ref prompt i's
+    reward is σ_i·z, z ~ N(0, 1), i.e. r_i(u) = σ_i·Φ_N^{-1}(u) at its calibrated reward u. Raw RLHF tilts by r_i,
+    CTRL by the calibrated u (the same for every prompt) or by exp(t·u) rescaled to [0, 1]; one β, shared by the
+    prompts, matches the mean KL `cfg.lm_kl` (a derivation for this lab, not the paper's text). Under the `raw`
+    control the calibration is the raw reward min-max scaled over all prompts, under `identity` the transform is
+    the identity. Returns {reward: {"beta", "kl" (per prompt), "std", "bon" (BoN-`cfg.lm_N`, mean over prompts)}}."""
+    u = grid(cfg.M)
+    r = torch.tensor(cfg.het_sigmas, dtype=torch.float64)[:, None] * raw_gaussian(u)  # (P, M)
+    cal = (r - r.min()) / (r.max() - r.min()) if check_control(control) == "raw" else u.expand_as(r)
+    rewards = {"raw RLHF": r, "CTRL identity": cal,
+               f"CTRL exp({cfg.het_t:g}u)": rescaled(transform("bon", cfg.het_t, control))(cal)}
+    out = {}
+    for name, R in rewards.items():
+        beta = shared_beta(R, u, cfg.lm_kl)
+        qs = density(R, beta, u)
+        out[name] = {"beta": beta, "kl": [kl_to_base(q) for q in qs],
+                     "std": sum(win_rate(q) for q in qs) / len(qs),
+                     "bon": sum(win_rate(q, cfg.lm_N, "bon") for q in qs) / len(qs)}
+    return out
 
 
 # ------------------------------------------------------------------------------------ calibration
@@ -313,6 +364,49 @@ def rescaled(phi: Transform) -> Transform:
     return lambda u: (phi(u) - lo) / (hi - lo)
 
 
+def lm_logprobs(model, prompts: Tensor, V: int, L: int) -> Tensor:
+    """log π(y | x) for every prompt token x (C,) and every response y of `lab.align.exact.all_sequences(V, L)`:
+    (C, V^L), equal to `lab.align.exact.seq_logprobs` (same next-token softmax over the V response tokens) but
+    from one forward over the V^(L−1) prefixes: the last position's distribution scores all V final tokens
+    (the prefix trick of `lab.align.exact.avoid_prob`; about 3× faster here)."""
+    from lab.align.exact import all_sequences
+
+    prefixes = all_sequences(V, L - 1) if L > 1 else torch.zeros(1, 0, dtype=torch.long)  # (S', L−1)
+    C, S = len(prompts), len(prefixes)
+    x = torch.cat([prompts[:, None, None].expand(C, S, 1), prefixes.expand(C, S, L - 1)], -1).reshape(C * S, L)
+    logp = model(input_ids=x).logits[..., :V].log_softmax(-1)  # (C·S', L, V): position t predicts token t+1
+    prefix = logp[:, :-1].gather(-1, x[:, 1:, None])[..., 0].sum(-1)  # log π(prefix | x)
+    return (prefix[:, None] + logp[:, -1]).reshape(C, S * V)  # lexicographic order: the last token runs fastest
+
+
+def lm_fit(model, prompts: Tensor, target_logp: Tensor, cfg: Config, quiet: bool | None = None) -> list[float]:
+    """Exact SFT (`lab.align.exact.fit_exact`'s objective, KL(target ‖ π_θ) averaged over prompts, with Adam)
+    on `lm_logprobs`; returns the KL before each step."""
+    from lab.align.train import optimize
+
+    p = target_logp.exp()
+
+    def step_loss(_: int) -> Tensor:
+        return (p * (target_logp - lm_logprobs(model, prompts, cfg.V, cfg.L))).sum(-1).mean()
+
+    return optimize(model.parameters(), step_loss, steps=cfg.sft_steps, lr=cfg.lr, desc="exact SFT", quiet=quiet)
+
+
+def lm_rlhf(policy, prompts: Tensor, ref_logp: Tensor, R: Tensor, beta: float, cfg: Config,
+            quiet: bool | None = None) -> Tensor:
+    """The exact KL-regularized objective Σ_y π_θ(y)[R(y) − β(log π_θ(y) − log π_ref(y))], averaged over prompts,
+    maximized with Adam (`lab.align.exact.train_rlhf`'s objective on `lm_logprobs`). Returns log π_θ (C, S)."""
+    from lab.align.train import optimize
+
+    def step_loss(_: int) -> Tensor:
+        logp = lm_logprobs(policy, prompts, cfg.V, cfg.L)
+        return -(logp.exp() * (R - beta * (logp - ref_logp))).sum(-1).mean()
+
+    optimize(policy.parameters(), step_loss, steps=cfg.rl_steps, lr=cfg.lr, desc="exact RLHF", quiet=quiet)
+    with torch.no_grad():
+        return lm_logprobs(policy, prompts, cfg.V, cfg.L)
+
+
 @dataclass
 class LMToy:
     reference: torch.nn.Module
@@ -325,7 +419,7 @@ class LMToy:
 def lm_toy(cfg: Config, seed: int) -> LMToy:
     """π_ref by exact SFT of a tiny Llama onto random per-prompt targets; a linear reward whose
     scale differs by prompt (so one β over- or under-optimizes raw rewards per prompt)."""
-    from lab.align.exact import all_sequences, fit_exact, seq_logprobs
+    from lab.align.exact import all_sequences
     from lab.models import tiny_llama
 
     C = len(cfg.sigmas)
@@ -333,10 +427,9 @@ def lm_toy(cfg: Config, seed: int) -> LMToy:
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     model = tiny_llama(vocab_size=cfg.V + C, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=cfg.L + 1)
-    fit_exact(model, prompts, seqs, torch.randn(C, len(seqs), generator=g).log_softmax(-1), cfg.V,
-              steps=cfg.sft_steps, lr=cfg.lr)
+    lm_fit(model, prompts, torch.randn(C, len(seqs), generator=g).log_softmax(-1), cfg)
     with torch.no_grad():
-        ref = seq_logprobs(model, prompts, seqs, cfg.V)
+        ref = lm_logprobs(model, prompts, cfg.V, cfg.L)
     W = torch.randn(cfg.V, cfg.L, generator=g)  # score of token v at position t
     r = torch.tensor(cfg.sigmas)[:, None] * W[seqs, torch.arange(cfg.L)].sum(-1)[None, :]
     return LMToy(model.eval(), prompts, seqs, ref, r.double())
@@ -364,13 +457,53 @@ def lm_compare(toy: LMToy, cfg: Config, control: str = "",
     """For each reward of `lm_rewards`: one β shared by the prompts with mean KL `cfg.lm_kl` on the closed form
     π_ref·e^{R/β}, then a copy of π_ref trained on the exact KL-regularized objective at that β. Returns
     {reward: {"closed" | "trained": `lm_metrics`}} and {reward: β}."""
-    from lab.align.exact import beta_for_kl, tilt_logp, train_rlhf
+    from lab.align.exact import beta_for_kl, tilt_logp
 
     lm, betas = {}, {}
     for name, R in lm_rewards(toy, cfg, control).items():
         betas[name] = beta = beta_for_kl(toy.ref_logp, R, cfg.lm_kl)
         closed = tilt_logp(toy.ref_logp, R, beta)
-        trained = train_rlhf(copy.deepcopy(toy.reference), toy.prompts, toy.seqs, toy.ref_logp, R.float(), beta, cfg.V,
-                             steps=cfg.rl_steps, lr=cfg.lr, quiet=quiet).double()
+        trained = lm_rlhf(copy.deepcopy(toy.reference), toy.prompts, toy.ref_logp, R.float(), beta, cfg, quiet).double()
         lm[name] = {"closed": lm_metrics(closed, toy, cfg.lm_N), "trained": lm_metrics(trained, toy, cfg.lm_N)}
     return lm, betas
+
+
+def sampled_calibration(toy: LMToy, K: int, generator: torch.Generator) -> Tensor:
+    """CTRL's Ĉ as the algorithm computes it (`calibrate`): each prompt's rewards ranked among K responses
+    drawn from π_ref for that prompt (C, S)."""
+    idx = torch.multinomial(toy.ref_logp.double().exp(), K, replacement=True, generator=generator)  # (C, K)
+    return calibrate(toy.r.gather(1, idx), toy.r)
+
+
+def calibration_sweep(toy: LMToy, cfg: Config, seed: int, control: str = "") -> dict[str, dict[str, float]]:
+    """The sampled calibration Ĉ (K base samples per prompt, `sampled_calibration`) against the exact C, for
+    each K of `cfg.cal_Ks` ("K=…") and for C itself ("exact"), averaged over `cfg.cal_draws` draws:
+    "err" = E_{y~π_ref}|Ĉ(y) − C(y)| (mean over prompts); CTRL exp(t·u) (t the largest of `cfg.lm_ts`, rescaled)
+    at matched KL `cfg.lm_kl` on the closed form π_ref·e^{R/β}: its BoN-N win rate "bon" (against π_ref, with the
+    true reward) and its mass "sat" on the saturated responses, those ranked above all K samples (Ĉ = 1, where
+    the reward stops increasing), beside their π_ref mass "sat_ref"; CTRL identity on the same Ĉ: its BoN-N win
+    rate "bon_identity" and standard win rate "std". A control substitutes the calibration (`raw`: the global
+    min-max map, no sample is used) or the transform (`lab.align.infalign.CONTROLS`)."""
+    from lab.align.exact import beta_for_kl, tilt_logp
+
+    exact, ref_p = calibration(toy.ref_logp, toy.r, control), toy.ref_logp.double().exp()
+    phi = rescaled(transform("bon", max(cfg.lm_ts), control))
+    g = torch.Generator().manual_seed(seed)
+
+    def measure(cal: Tensor) -> dict[str, float]:
+        R = phi(cal)
+        logp = tilt_logp(toy.ref_logp, R, beta_for_kl(toy.ref_logp, R, cfg.lm_kl))
+        ident = lm_metrics(tilt_logp(toy.ref_logp, cal, beta_for_kl(toy.ref_logp, cal, cfg.lm_kl)), toy, cfg.lm_N)
+        top = (cal == 1).double()
+        return {"err": float((ref_p * (cal - exact).abs()).sum(-1).mean()),
+                "bon": lm_metrics(logp, toy, cfg.lm_N)["bon"], "sat": float((logp.exp() * top).sum(-1).mean()),
+                "sat_ref": float((ref_p * top).sum(-1).mean()),
+                "bon_identity": ident["bon"], "std": ident["std"]}
+
+    out = {}
+    for K in cfg.cal_Ks:
+        draws = [measure(exact)] if control == "raw" else [measure(sampled_calibration(toy, K, g))
+                                                           for _ in range(cfg.cal_draws)]
+        out[f"K={K}"] = {k: sum(d[k] for d in draws) / len(draws) for k in draws[0]}
+    out["exact"] = measure(exact)
+    return out
