@@ -2,11 +2,13 @@ r"""cDPO — Lin, Liang, Xu et al., "Critical Tokens Matter: Token-Level Contras
 LLM's Reasoning Capability", ICML 2025 (arXiv 2411.19943; code: chenzhiling9954/Critical-Tokens-Matter).
 
 (a) **Critical tokens by rollouts** (§2). For an incorrect trajectory y, roll out K continuations from
-every prefix y_≤t; c_t is the share that end correct. The critical token is the first t with c_t = 0
-and c_t' < 5% for all t' > t. Replacing it (mask y_t, resample, roll out) recovers Pass@k.
+every proper prefix y_≤t (t < L − 1; the official rollout sampling also leaves out the full trajectory); c_t
+is the share that end correct. The critical token is the first t with c_t = 0 and c_t' < 5% for all t' > t
+(none if no prefix has c_t = 0). Replacing it (mask y_t, resample, roll out) recovers Pass@k.
 
 (b) **Contrastive estimation** (§3.1). A positive model P_p (SFT on correct trajectories) and a
-negative one P_n (SFT on the most frequent wrong answers, top-p 50%) score each rejected token:
+negative one P_n (SFT on the most frequent wrong answers, top-p 50%; each side selected per question
+independently, as the official `select_data_for_sft_and_dpo`) score each rejected token:
 
     log s_t = (1 + β) log P_p(y_t | x, y_<t) − β log P_n(y_t | x, y_<t) − log Z,    β = 1,
 
@@ -19,9 +21,13 @@ s_t marks a critical token.
 
 which is DPO when every s_t = 0. The official trainer instead pairs the t-th chosen and rejected
 tokens and averages −log σ(γ(h_w,t − (1 − s_t) h_l,t)) over positions: `variant="official_positionwise"`.
+Documented difference: the official mean runs over all positions, prompt included (there h = 0, a constant
+log 2 per position), so its loss and gradient are ours times L / (P + L) (5/12 here, ≈ 2.4× smaller); Adam's
+update is invariant to a constant loss scale (up to its ε and gradient clipping), so the lr sweep is unaffected.
 
 Toy conventions (documented differences): full fine-tuning of copies instead of LoRA; fixed-length
-responses, so no padding enters the position-wise mean; grading by the final digit (`TrickyArithmetic`).
+responses, so no padding enters the position-wise mean; grading by the final digit (`TrickyArithmetic`);
+every arm swept over a shared lr grid including lr = 0 (the base), its lr picked on validation questions.
 The toy's pipeline (`Config.for_scale`, `preference_pairs`, `contrastive_models`, `rollout_study`,
 `ce_agreement`, `lr_sweep`) runs (a)–(c) end to end for the notebook.
 """
@@ -56,12 +62,14 @@ CONTROLS = {  # the substitutions a skeptic would make; the notebook declares wh
 class Config:
     """The tricky-arithmetic toy (`lab.data.arith.TrickyArithmetic`: tricky operations flipped w.p. 0.6, steps
     1–2): a 1-layer Llama base trained on its noisy traces, N samples per training question, P_p / P_n by SFT,
-    K rollouts per prefix on up to `n_rollout` rejected trajectories, the four arms over an lr sweep."""
+    K rollouts per prefix on up to `n_rollout` rejected trajectories, the four arms over an lr sweep (lr = 0 is
+    the base; each arm's lr picked on `n_val` validation questions, accuracy reported on `n_test` others)."""
 
     flip: float = 0.6
     max_step: int = 2
     base: TinyLM = TinyLM(d_model=64, n_layers=1, n_heads=4, max_len=16, steps=400, batch_size=64, lr=3e-3)
-    n_test: int = 500  # held-out questions for greedy accuracy
+    n_test: int = 500  # held-out questions for greedy accuracy (reported)
+    n_val: int = 300  # other held-out questions, to pick each arm's lr
     n_train: int = 300  # questions sampled for the pairs
     n_samples: int = 16  # N trajectories per training question
     top_p: float = 0.5  # P_n's data covers this share of the wrong samples
@@ -71,8 +79,8 @@ class Config:
     K: int = 16  # rollouts per prefix
     n_rollout: int = 100  # rejected trajectories studied by rollouts (at most)
     arms: tuple[str, ...] = ("dpo", "rpo", "cdpo", "cdpo_positionwise")
-    lrs: tuple[float, ...] = (1e-4, 3e-4)
-    steps: int = 200  # preference training, every arm and lr
+    lrs: tuple[float, ...] = (0.0, 1e-5, 3e-5, 1e-4, 3e-4)  # lr = 0: the base itself
+    steps: int = 150  # preference training, every arm and lr
     batch_size: int = 32
     every: int = 20  # log the chosen / rejected log-likelihoods every this many steps
     n_show: int = 8  # trajectories in the explorer
@@ -81,8 +89,9 @@ class Config:
     def for_scale(cls, scale: str, control: str = "") -> Config:
         """Sizes for the scale; a control (see `CONTROLS`) changes no size."""
         check_control(control, CONTROLS)
-        return cls() if scale == "smoke" else cls(n_test=2000, n_train=1000, n_samples=64, sft_steps=600, K=64,
-                                                  n_rollout=300, lrs=(3e-5, 1e-4, 3e-4, 1e-3), steps=600)
+        return cls() if scale == "smoke" else cls(n_test=2000, n_val=1000, n_train=1000, n_samples=64, sft_steps=600,
+                                                  K=64, n_rollout=300, lrs=(0.0, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3),
+                                                  steps=600)
 
     def task(self) -> TrickyArithmetic:
         return TrickyArithmetic(flip=self.flip, max_step=self.max_step)
@@ -109,10 +118,12 @@ def critical_or_random(c: Tensor, control: str = "", *, generator: torch.Generat
 
 def rollout_correctness(model, prompts: Tensor, responses: Tensor, grade: Grade, *, K: int,
                         generator: torch.Generator, temperature: float = 1.0) -> Tensor:
-    """c (n, L): c[i, t] = share of K rollouts from prompt + y_≤t that are correct (t = L−1: y itself)."""
+    """c (n, L − 1): c[i, t] = share of K rollouts from prompt + y_≤t that are correct, for the proper prefixes
+    t < L − 1 only: the full trajectory is not graded as its own rollout (the official rollout sampling also stops
+    one token short), so a wrong y does not force a critical token at its last position."""
     n, L = responses.shape
-    c = torch.zeros(n, L)
-    for t in range(L):
+    c = torch.zeros(n, L - 1)
+    for t in range(L - 1):
         head = responses[:, : t + 1].repeat_interleave(K, 0)  # (n·K, t+1)
         prefix = torch.cat([prompts.repeat_interleave(K, 0), head.to(prompts.device)], 1)
         tail = sample(model, prefix, L - t - 1, generator=generator, temperature=temperature)
@@ -147,20 +158,17 @@ def replacement(model, prompts: Tensor, responses: Tensor, t: Tensor, grade: Gra
 
 # --------------------------------------------------------------------------------- (b) selection, CE
 
-def select(answers: Tensor, correct: Tensor, *, top_p: float = 0.5) -> list[dict | None]:
-    """Per question from N samples (answers (Q, N), −1 = unparsable; correct (Q, N)): `pos`, one
-    sample of the most frequent correct answer; `neg`, one sample of each most frequent wrong answer
-    until they cover `top_p` of the wrong samples (after the first, only answers seen more than once,
-    as the official `select_data_for_sft_and_dpo`); the DPO pair is (pos, neg[0]). None if either is
-    missing."""
+def select(answers: Tensor, correct: Tensor, *, top_p: float = 0.5) -> list[dict]:
+    """Per question from N samples (answers (Q, N), −1 = unparsable; correct (Q, N)), chosen independently as
+    the official `select_data_for_sft_and_dpo`: `pos`, one sample of the most frequent correct answer (None if
+    no sample is correct; P_p's data); `neg`, one sample of each most frequent wrong answer until they cover
+    `top_p` of the wrong samples, after the first only answers seen more than once (empty if none is wrong;
+    P_n's data). A question gives a DPO pair (pos, neg[0]) only when it has both."""
     out = []
     for a, ok in zip(answers.tolist(), correct.tolist()):
         right = Counter(x for x, y in zip(a, ok) if y)
         wrong = Counter(x for x, y in zip(a, ok) if not y and x >= 0)
-        if not right or not wrong:
-            out.append(None)
-            continue
-        pos = a.index(right.most_common(1)[0][0])
+        pos = a.index(right.most_common(1)[0][0]) if right else None
         neg, covered, total = [], 0, sum(wrong.values())
         for ans, count in wrong.most_common():
             if covered >= top_p * total or (neg and count <= 1):
@@ -240,12 +248,15 @@ def base_model(task: TrickyArithmetic, cfg: Config, *, seed: int, device: str) -
 @dataclass
 class Pairs:
     """§3's data from N trajectories sampled per question (`select`): the questions that give a pair, their
-    prompts, chosen and rejected trajectories (n, L), P_n's data, and every sample's grade (Q, N)."""
+    prompts, chosen and rejected trajectories (n, L), P_p's and P_n's data (every question with a correct /
+    a wrong sample, as the official pipeline), and every sample's grade (Q, N)."""
 
     questions: dict[str, Tensor]
     prompts: Tensor
     chosen: Tensor
     rejected: Tensor
+    pos_prompts: Tensor
+    pos_responses: Tensor
     neg_prompts: Tensor
     neg_responses: Tensor
     correct: Tensor
@@ -254,22 +265,25 @@ class Pairs:
 def preference_pairs(model, task: TrickyArithmetic, q: dict[str, Tensor], N: int, *, top_p: float = 0.5,
                      generator: torch.Generator, device: str = "cpu") -> Pairs:
     """Sample N trajectories per question at T = 1, grade them and `select`: the pair (most frequent correct,
-    most frequent wrong) per question, and one trajectory of each selected wrong answer for P_n."""
+    most frequent wrong) where a question has both; P_p's and P_n's data from every question independently."""
     samples = sample_responses(model, q["prompt"].to(device), N, RESPONSE_LEN, generator=generator, temperature=1.0)
     correct = task.grade(q, samples)
     sel = select(task.final_answer(samples), correct, top_p=top_p)
-    kept = [i for i, s in enumerate(sel) if s]
-    neg = [(i, j) for i in kept for j in sel[i]["neg"]]
-    return Pairs(take(q, torch.tensor(kept)), q["prompt"][kept], torch.stack([samples[i, sel[i]["pos"]] for i in kept]),
-                 torch.stack([samples[i, sel[i]["neg"][0]] for i in kept]),
+    kept = [i for i, s in enumerate(sel) if s["pos"] is not None and s["neg"]]
+    pos = [(i, s["pos"]) for i, s in enumerate(sel) if s["pos"] is not None]
+    neg = [(i, j) for i, s in enumerate(sel) for j in s["neg"]]
+    rows = torch.tensor(kept, dtype=torch.long)
+    return Pairs(take(q, rows), q["prompt"][rows], samples[rows, [sel[i]["pos"] for i in kept]],
+                 samples[rows, [sel[i]["neg"][0] for i in kept]],
+                 torch.stack([q["prompt"][i] for i, _ in pos]), torch.stack([samples[i, j] for i, j in pos]),
                  torch.stack([q["prompt"][i] for i, _ in neg]), torch.stack([samples[i, j] for i, j in neg]), correct)
 
 
 def contrastive_models(base, data: Pairs, cfg: Config, *, seed: int, device: str = "cpu") -> tuple:
-    """(P_p, P_n) of §3.1: copies of the base fine-tuned on the chosen trajectories and on P_n's wrong ones."""
+    """(P_p, P_n) of §3.1: copies of the base fine-tuned on P_p's correct and P_n's wrong trajectories."""
     pos, neg = copy.deepcopy(base), copy.deepcopy(base)
     sft = dict(steps=cfg.sft_steps, lr=cfg.sft_lr, batch_size=cfg.sft_batch, seed=seed)
-    fine_tune(pos, data.prompts.to(device), data.chosen.to(device), **sft)
+    fine_tune(pos, data.pos_prompts.to(device), data.pos_responses.to(device), **sft)
     fine_tune(neg, data.neg_prompts.to(device), data.neg_responses.to(device), **sft)
     return pos, neg
 
@@ -281,18 +295,19 @@ KS = (1, 2, 4, 8, 16, 32, 64)  # the k of Pass@k, up to K
 class Rollouts:
     """The rollout ground truth (§2, Fig. 2) on rejected trajectories (m, L)."""
 
-    c: Tensor  # (m, L) share of K rollouts from each prefix y_≤t that end correct
+    c: Tensor  # (m, L − 1) share of K rollouts from each proper prefix y_≤t that end correct
     critical: Tensor  # (m,) the critical token (−1: none), or the control's random position
     found: Tensor  # (m,) critical ≥ 0
     ks: list[int]
     pass_k: dict[str, list[float]]  # mean Pass@k with the critical token kept / replaced
     positions: list[int]  # critical tokens found at each response position
-    before_answer: float  # share of them before position `answer_at`
+    on_operation: float  # share of all m trajectories whose critical token is found at an operation position
 
 
-def rollout_study(model, prompts: Tensor, rejected: Tensor, grade: Grade, *, K: int, answer_at: int, control: str = "",
-                  generator: torch.Generator, device: str = "cpu") -> Rollouts:
-    """c_t by K rollouts per prefix, the critical token (`critical_or_random`), and the replacement test at it."""
+def rollout_study(model, prompts: Tensor, rejected: Tensor, grade: Grade, *, K: int, operations: tuple[int, ...],
+                  control: str = "", generator: torch.Generator, device: str = "cpu") -> Rollouts:
+    """c_t by K rollouts per proper prefix, the critical token (`critical_or_random`), the replacement test at
+    it, and the share of trajectories whose critical token sits at one of the `operations` positions."""
     c = rollout_correctness(model, prompts.to(device), rejected.to(device), grade, K=K, generator=generator)
     crit = critical_or_random(c, control, generator=generator)
     found = crit >= 0
@@ -300,43 +315,58 @@ def rollout_study(model, prompts: Tensor, rejected: Tensor, grade: Grade, *, K: 
     kept, swapped = replacement(model, prompts[rows].to(device), rejected[rows].to(device), crit[rows],
                                 lambda r, y: grade(rows[r], y), K=K, generator=generator)
     ks = [k for k in KS if k <= K]
-    pass_k = {"critical token kept": mean_pass_at_k(kept, ks), "critical token replaced": mean_pass_at_k(swapped, ks)}
+    none = [float("nan")] * len(ks)  # no critical token found: no replacement test
+    pass_k = {"critical token kept": mean_pass_at_k(kept, ks) if len(rows) else none,
+              "critical token replaced": mean_pass_at_k(swapped, ks) if len(rows) else none}
+    on_op = torch.isin(crit, torch.tensor(operations, dtype=crit.dtype)).float().mean().item()
     return Rollouts(c, crit, found, ks, pass_k, torch.bincount(crit[found], minlength=rejected.shape[1]).tolist(),
-                    (crit[found] < answer_at).float().mean().item())
+                    on_op)
 
 
 def ce_agreement(pos, neg, s: Tensor, prompts: Tensor, rejected: Tensor, chosen: Tensor, study: Rollouts, *,
                  beta: float, device: str = "cpu") -> dict[str, float]:
-    """Top-1 agreement with the rollout critical token (where one was found) of argmin_t s_t, of the named wrong
-    variants (β's sign flipped, P_p / P_n swapped) and of the first token where rejected leaves chosen."""
+    """Top-1 agreement with the rollout critical token (where one was found) of argmin_t s_t, of P_p alone (β = 0),
+    of the named wrong variants (β's sign flipped, P_p / P_n swapped) and of the first token where rejected leaves
+    chosen."""
     def hit(t: Tensor) -> float:
         return (t == study.critical)[study.found].float().mean().item()
 
     x, y = prompts.to(device), rejected.to(device)
     return {f"CE (β = {beta:g})": hit(s.argmin(1)),
+            "P_p alone (β = 0)": hit(ce_scores(pos, neg, x, y, beta=0.0).argmin(1)),
             "β sign flipped": hit(ce_scores(pos, neg, x, y, beta=-beta).argmin(1)),
             "P_p / P_n swapped": hit(ce_scores(neg, pos, x, y, beta=beta).argmin(1)),
             "first token differing from the chosen": hit((chosen != rejected).float().argmax(1))}
 
 
 def lr_sweep(base, pairs: dict[str, Tensor], cfg: Config, *, gamma: float, seed: int, task: TrickyArithmetic,
-             test: dict[str, Tensor], generator: torch.Generator, device: str = "cpu") -> dict[tuple[str, float], dict]:
+             val: dict[str, Tensor], test: dict[str, Tensor], generator: torch.Generator,
+             device: str = "cpu") -> dict[tuple[str, float], dict]:
     """Every arm of `cfg.arms` at every lr of `cfg.lrs`, from the base on the same pairs and steps (Table 3,
-    Fig. 4): {(arm, lr): {"acc": greedy accuracy on `test`, "log": `train_arm`'s log}}."""
+    Fig. 4): {(arm, lr): {"val", "acc": greedy accuracy on `val` (to pick the lr) and on `test`, "log":
+    `train_arm`'s log}}. lr = 0 is the base itself (not trained; its log is flat)."""
     results = {}
     for arm in cfg.arms:
         for lr in cfg.lrs:
-            policy, log = train_arm(base, pairs, arm, steps=cfg.steps, lr=lr, gamma=gamma, batch_size=cfg.batch_size,
-                                    seed=seed, every=cfg.every)
-            acc = task.greedy_accuracy(policy, test, generator=generator, device=device)
-            results[arm, lr] = {"acc": acc, "log": log}
+            if lr == 0:
+                policy = base
+                with torch.no_grad():
+                    w, l_ = (response_logps(base, pairs["prompt"], pairs[k]).sum(-1).mean().item()
+                             for k in ("chosen", "rejected"))
+                log = {"step": [0, cfg.steps], "chosen": [w, w], "rejected": [l_, l_], "loss": []}
+            else:
+                policy, log = train_arm(base, pairs, arm, steps=cfg.steps, lr=lr, gamma=gamma,
+                                        batch_size=cfg.batch_size, seed=seed, every=cfg.every)
+            results[arm, lr] = {"val": task.greedy_accuracy(policy, val, generator=generator, device=device),
+                                "acc": task.greedy_accuracy(policy, test, generator=generator, device=device),
+                                "log": log}
     return results
 
 
 def best_lrs(results: dict[tuple[str, float], dict]) -> dict[str, float]:
-    """Each arm's lr of highest greedy accuracy (the first of the sweep on a tie)."""
+    """Each arm's lr of highest greedy accuracy on the validation questions (the first of the sweep on a tie)."""
     arms = dict.fromkeys(arm for arm, _ in results)
-    return {arm: max((lr for a, lr in results if a == arm), key=lambda lr: results[arm, lr]["acc"]["all"])
+    return {arm: max((lr for a, lr in results if a == arm), key=lambda lr: results[arm, lr]["val"]["all"])
             for arm in arms}
 
 

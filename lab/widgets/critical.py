@@ -59,7 +59,8 @@ def dynamics_figure(results: dict[tuple[str, float], dict], best: dict[str, floa
 
 
 def strip_traces(tokens: Sequence[str], s: torch.Tensor, c: torch.Tensor | None, *, visible: bool = True) -> list:
-    """The heat strip of 1 − s_t (row 1) and the rollout curve c_t (row 2) as plotly traces."""
+    """The heat strip of 1 − s_t (row 1) and the rollout curve c_t (row 2; c may be one shorter than the tokens:
+    no rollout from the full trajectory) as plotly traces."""
     x = [f"{t}:{tok}" for t, tok in enumerate(tokens)]
     traces = [go.Heatmap(z=[(1 - s).tolist()], x=x, y=["1 − s_t"], zmin=0, zmax=1, colorscale="Reds",
                          text=[[f"{tok}<br>s={v:.3f}" for tok, v in zip(tokens, s.tolist())]],
@@ -106,7 +107,8 @@ def critical_explorer(pos, neg, tokenizer, prompts: torch.Tensor, responses: tor
                       pass_k: PassK | None = None, labels: Sequence[str] | None = None, beta: float = 1.0):
     """Live panel over rejected trajectories `responses` (n, L) of `prompts` (n, P).
 
-    `rollouts` (n, L) and `critical` (n,) come from `cdpo.rollout_correctness` / `critical_token`;
+    `rollouts` (n, L − 1) and `critical` (n,) come from `cdpo.rollout_correctness` / `critical_token` (c_t for the
+    proper prefixes y_≤t only: the full trajectory is not rolled out, so the last token has no point);
     `pass_k(i, t)` returns ({k: Pass@k} with y_t kept, {k: Pass@k} with y_t replaced), cached here.
     Test hooks: `.figure`, `.readout`, `.controls`, `.scores` (the last s, (L,))."""
     import ipywidgets as w

@@ -97,7 +97,9 @@ def test_selection_follows_the_official_rules():
     sel = C.select(answers, correct, top_p=0.5)
     # wrong parsable: 3x3, 5x2, 2, 4 (7 samples): 3 covers 3/7 < 0.5, 5 (count 2) brings 5/7 -> stop
     assert sel[0] == {"pos": 0, "neg": [1, 4]}
-    assert sel[1] is None and sel[2] is None  # no wrong answer / no correct answer
+    # each side is chosen independently (official): a question with no wrong answer still feeds P_p, one with no
+    # correct answer still feeds P_n (1 twice covers 2 of 9 wrong samples; the singles after it are not added)
+    assert sel[1] == {"pos": 0, "neg": []} and sel[2] == {"pos": None, "neg": [0]}
     # after the first, answers seen once are not added
     only_singles = C.select(torch.tensor([[7, 1, 2, 3, 4]]), torch.tensor([[True, False, False, False, False]]))
     assert only_singles[0] == {"pos": 0, "neg": [1]}
@@ -129,12 +131,24 @@ def test_rollouts_and_replacement_with_a_deterministic_model():
     grade = lambda rows, r: (r == 5).all(-1)  # correct = all fives
     g = torch.Generator().manual_seed(0)
     c = C.rollout_correctness(model, prompts, y, grade, K=4, generator=g, temperature=0)
-    assert c.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert c.tolist() == [[1, 1, 0], [1, 1, 1]]  # proper prefixes only: no column for the full trajectory
     assert C.critical_token(c).tolist() == [2, -1]
     kept, swapped = C.replacement(model, prompts[:1], y[:1], torch.tensor([2]), grade, K=4, generator=g)
     assert not kept.any() and swapped.all()  # banning the 3 leaves the model's 5, and all rollouts recover
     kept, swapped = C.replacement(model, prompts[:1], y[:1], torch.tensor([1]), grade, K=4, generator=g)
     assert not swapped.any()  # banning a correct 5 forces a mistake
+
+
+def test_a_wrong_last_token_alone_gives_no_critical_token():
+    """The full trajectory is not its own rollout: y = 5 5 5 3 is wrong only by its last token, every proper prefix
+    rolls out to all fives (correct), so no critical token exists. Grading y itself at t = L − 1 (c = 0 there)
+    would always find one, at the last position."""
+    y, x = torch.tensor([[5, 5, 5, 3]]), torch.tensor([[1, 2]])
+    grade = lambda rows, r: (r == 5).all(-1)
+    c = C.rollout_correctness(always(5), x, y, grade, K=4, generator=torch.Generator().manual_seed(0))
+    assert c.tolist() == [[1, 1, 1]] and C.critical_token(c).tolist() == [-1]
+    st = C.rollout_study(always(5), x, y, grade, K=4, operations=(0, 2), generator=torch.Generator().manual_seed(0))
+    assert st.found.tolist() == [False] and st.on_operation == 0.0 and st.positions == [0, 0, 0, 0]
 
 
 def test_sample_shapes_greedy_and_ban():
@@ -253,10 +267,11 @@ def test_fine_tune_is_the_hand_written_adam_sft_loop():
 def test_config_lists_the_sizes_of_each_scale():
     smoke, full = C.Config.for_scale("smoke"), C.Config.for_scale("full", "dpo")
     assert (smoke.n_test, smoke.n_train, smoke.n_samples, smoke.sft_steps, smoke.K, smoke.n_rollout, smoke.steps) == \
-        (500, 300, 16, 200, 16, 100, 200)
+        (500, 300, 16, 200, 16, 100, 150)
     assert (full.n_test, full.n_train, full.n_samples, full.sft_steps, full.K, full.n_rollout, full.steps) == \
         (2000, 1000, 64, 600, 64, 300, 600)
-    assert smoke.lrs == (1e-4, 3e-4) and full.lrs == (3e-5, 1e-4, 3e-4, 1e-3)
+    assert smoke.lrs == (0.0, 1e-5, 3e-5, 1e-4, 3e-4) and full.lrs == (0.0, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3)
+    assert (smoke.n_val, full.n_val) == (300, 1000)
     assert smoke.task() == TrickyArithmetic(flip=0.6, max_step=2)
     with pytest.raises(FrozenInstanceError):
         smoke.K = 2
@@ -276,14 +291,14 @@ def test_rollout_study_by_hand():
     """`always(5)`, correct = all fives: row 0 turns wrong at its 3 (position 2), row 1 never does."""
     model, grade = always(5), lambda rows, r: (r == 5).all(-1)
     y, x = torch.tensor([[5, 5, 3, 5], [5, 5, 5, 5]]), torch.tensor([[1, 2], [1, 2]])
-    st = C.rollout_study(model, x, y, grade, K=4, answer_at=3, generator=torch.Generator().manual_seed(0))
-    assert st.c.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]] and st.critical.tolist() == [2, -1]
+    st = C.rollout_study(model, x, y, grade, K=4, operations=(0, 2), generator=torch.Generator().manual_seed(0))
+    assert st.c.tolist() == [[1, 1, 0], [1, 1, 1]] and st.critical.tolist() == [2, -1]
     assert st.found.tolist() == [True, False] and st.ks == [1, 2, 4] and st.positions == [0, 0, 1, 0]
     assert st.pass_k == {"critical token kept": [0.0, 0.0, 0.0], "critical token replaced": [1.0, 1.0, 1.0]}
-    assert st.before_answer == 1.0
-    late = C.rollout_study(model, x, y, grade, K=4, answer_at=2, generator=torch.Generator().manual_seed(0))
-    assert late.before_answer == 0.0
-    rnd = C.rollout_study(model, x, y, grade, K=4, answer_at=3, control="random_token",
+    assert st.on_operation == 0.5  # of both trajectories: row 1 has no critical token
+    other = C.rollout_study(model, x, y, grade, K=4, operations=(0, 1), generator=torch.Generator().manual_seed(0))
+    assert other.on_operation == 0.0
+    rnd = C.rollout_study(model, x, y, grade, K=4, operations=(0, 2), control="random_token",
                           generator=torch.Generator().manual_seed(0))
     assert rnd.found.all() and rnd.c.tolist() == st.c.tolist()  # a position for every row, the same c_t
 
@@ -295,21 +310,24 @@ def test_ce_agreement_by_hand():
     chosen = torch.tensor([[5, 5, 5], [5, 7, 7], [5, 5, 5], [5, 5, 5]])  # row 1 leaves the chosen at 1, not 2
     x = torch.ones(4, 1, dtype=torch.long)
     s = C.ce_scores(always(5), always(7), x, y)
-    study = C.Rollouts(torch.zeros(4, 3), torch.tensor([1, 2, 0, 2]), torch.tensor([True, True, True, False]), [1], {},
+    study = C.Rollouts(torch.zeros(4, 2), torch.tensor([1, 2, 0, 2]), torch.tensor([True, True, True, False]), [1], {},
                        [], 0.0)
     got = C.ce_agreement(always(5), always(7), s, x, y, chosen, study, beta=1.0)
-    assert got == {"CE (β = 1)": 1.0, "β sign flipped": 0.0, "P_p / P_n swapped": 0.0,
+    # P_p alone puts probability ~0 on every 7: its argmin is the 7 too
+    assert got == {"CE (β = 1)": 1.0, "P_p alone (β = 0)": 1.0, "β sign flipped": 0.0, "P_p / P_n swapped": 0.0,
                    "first token differing from the chosen": pytest.approx(2 / 3)}
-    assert list(got) == ["CE (β = 1)", "β sign flipped", "P_p / P_n swapped", "first token differing from the chosen"]
+    assert list(got) == ["CE (β = 1)", "P_p alone (β = 0)", "β sign flipped", "P_p / P_n swapped",
+                         "first token differing from the chosen"]
 
 
 def test_best_lrs_by_run_and_chosen_drop_by_hand():
-    res = {("dpo", 1e-4): {"acc": {"all": 0.5}, "log": {"chosen": [-3.0, -5.0]}},
-           ("dpo", 3e-4): {"acc": {"all": 0.5}, "log": {"chosen": [-3.0, -9.0]}},
-           ("cdpo", 1e-4): {"acc": {"all": 0.4}, "log": {"chosen": [-3.0, -2.5]}},
-           ("cdpo", 3e-4): {"acc": {"all": 0.7}, "log": {"chosen": [-3.0, -3.5]}}}
-    assert C.best_lrs(res) == {"dpo": 1e-4, "cdpo": 3e-4}  # a tie keeps the first lr
-    assert C.by_run(res) == {"dpo@0.0001": {"all": 0.5}, "dpo@0.0003": {"all": 0.5}, "cdpo@0.0001": {"all": 0.4},
+    res = {("dpo", 1e-4): {"val": {"all": 0.5}, "acc": {"all": 0.5}, "log": {"chosen": [-3.0, -5.0]}},
+           ("dpo", 3e-4): {"val": {"all": 0.5}, "acc": {"all": 0.9}, "log": {"chosen": [-3.0, -9.0]}},
+           ("cdpo", 1e-4): {"val": {"all": 0.6}, "acc": {"all": 0.4}, "log": {"chosen": [-3.0, -2.5]}},
+           ("cdpo", 3e-4): {"val": {"all": 0.5}, "acc": {"all": 0.7}, "log": {"chosen": [-3.0, -3.5]}}}
+    # picked on the validation split, never on the test accuracy; a tie keeps the first lr
+    assert C.best_lrs(res) == {"dpo": 1e-4, "cdpo": 1e-4}
+    assert C.by_run(res) == {"dpo@0.0001": {"all": 0.5}, "dpo@0.0003": {"all": 0.9}, "cdpo@0.0001": {"all": 0.4},
                              "cdpo@0.0003": {"all": 0.7}}
     assert C.chosen_drop(res) == {"dpo@0.0001": 2.0, "dpo@0.0003": 6.0, "cdpo@0.0001": -0.5, "cdpo@0.0003": 0.5}
 
@@ -328,25 +346,33 @@ def test_pipeline_pairs_models_and_sweep_follow_the_steps_by_hand():
     samples = C.sample_responses(base, q["prompt"], 8, 5, generator=torch.Generator().manual_seed(2))
     assert torch.equal(data.correct, task.grade(q, samples))
     sel = C.select(task.final_answer(samples), data.correct)
-    rows = [i for i, s in enumerate(sel) if s]
+    rows = [i for i, s in enumerate(sel) if s["pos"] is not None and s["neg"]]
     assert len(rows) > 0 and data.questions["prompt"].tolist() == data.prompts.tolist() == q["prompt"][rows].tolist()
     assert data.chosen.tolist() == [samples[i, sel[i]["pos"]].tolist() for i in rows]
     assert data.rejected.tolist() == [samples[i, sel[i]["neg"][0]].tolist() for i in rows]
-    assert data.neg_responses.tolist() == [samples[i, j].tolist() for i in rows for j in sel[i]["neg"]]
+    # P_p / P_n data: every question with a correct / a wrong sample, not only those that give a pair (official)
+    has_pos = [i for i, s in enumerate(sel) if s["pos"] is not None]
+    assert data.pos_responses.tolist() == [samples[i, sel[i]["pos"]].tolist() for i in has_pos]
+    assert data.neg_responses.tolist() == [samples[i, j].tolist() for i, s in enumerate(sel) for j in s["neg"]]
     assert task.grade(data.questions, data.chosen).all() and not task.grade(data.questions, data.rejected).any()
     pos, neg = C.contrastive_models(base, data, cfg, seed=4)
     p_ref, n_ref = copy.deepcopy(base), copy.deepcopy(base)
-    C.fine_tune(p_ref, data.prompts, data.chosen, steps=3, lr=1e-3, batch_size=4, seed=4, quiet=True)
+    C.fine_tune(p_ref, data.pos_prompts, data.pos_responses, steps=3, lr=1e-3, batch_size=4, seed=4, quiet=True)
     C.fine_tune(n_ref, data.neg_prompts, data.neg_responses, steps=3, lr=1e-3, batch_size=4, seed=4, quiet=True)
     for a, b in ((pos, p_ref), (neg, n_ref)):
         assert all(torch.equal(u, v) for u, v in zip(a.parameters(), b.parameters()))
     pairs = {"prompt": data.prompts, "chosen": data.chosen, "rejected": data.rejected,
              "s": C.ce_scores(pos, neg, data.prompts, data.rejected)}
-    test = task.questions(30, torch.Generator().manual_seed(5))
-    res = C.lr_sweep(base, pairs, cfg, gamma=0.1, seed=6, task=task, test=test, generator=torch.Generator())
-    assert list(res) == [("dpo", 1e-3), ("cdpo", 1e-3)]
+    test, val = (task.questions(30, torch.Generator().manual_seed(k)) for k in (5, 7))
+    cfg = replace(cfg, lrs=(0.0, 1e-3))
+    res = C.lr_sweep(base, pairs, cfg, gamma=0.1, seed=6, task=task, val=val, test=test, generator=torch.Generator())
+    assert list(res) == [("dpo", 0.0), ("dpo", 1e-3), ("cdpo", 0.0), ("cdpo", 1e-3)]
     for arm in cfg.arms:
         policy, log = C.train_arm(base, pairs, arm, steps=2, lr=1e-3, gamma=0.1, batch_size=4, seed=6, every=1,
                                   quiet=True)
         assert res[arm, 1e-3]["log"] == log
-        assert res[arm, 1e-3]["acc"] == task.greedy_accuracy(policy, test, generator=torch.Generator())
+        for split, q in (("acc", test), ("val", val)):
+            assert res[arm, 1e-3][split] == task.greedy_accuracy(policy, q, generator=torch.Generator())
+            assert res[arm, 0.0][split] == task.greedy_accuracy(base, q, generator=torch.Generator())  # lr 0: the base
+        w = response_logps(base, pairs["prompt"], pairs["chosen"]).sum(-1).mean().item()
+        assert res[arm, 0.0]["log"]["chosen"] == [w, w] and res[arm, 0.0]["log"]["step"] == [0, cfg.steps]
