@@ -12,14 +12,19 @@ CLUB estimates (Cheng et al. 2020) with one fixed estimator, so its bias largely
 The **bound** relates EMID to distribution shifts measured as Jensen–Shannon divergences between
 embedding sets, each through von Neumann entropies of uncentred second-moment matrices
 (`JSD_cov`: S((C_P + C_Q)/2) − (S(C_P) + S(C_Q))/2): the visual and textual input shifts and how far
-the model's outputs are from the references in ID and OOD. The repo reports the *scale-adjusted*
-form √JSD_v + √JSD_t + JSD_PY^¼ + JSD_QY^¼ (for correlation only; it is not numerically a bound)
-and an entropy-scaled one Ĥ(√JSD_v + √JSD_t) + 4(JSD_PY^¼ + JSD_QY^¼) (Ĥ's definition UNCONFIRMED).
+the model's outputs are from the references in ID and OOD. The paper's theorem (its EMID upper bound,
+Sec. 4) is the entropy-scaled form Ĥ(√JSD_v + √JSD_t) + 4(JSD_PY^¼ + JSD_QY^¼), as the repo's
+`EMIDupperbound(..., entropy_scaler=Ĥ)` computes it ("true upper bound estimate"; Ĥ's definition
+UNCONFIRMED). The repo's default, and every correlation it reports, is the *scale-adjusted* formula
+√JSD_v + √JSD_t + JSD_PY^¼ + JSD_QY^¼ (Ĥ and the 4 dropped: for correlation only, not a bound).
+`term_correlations` splits its correlation with EMID into the terms: the OOD-output term compares the
+model's answers with the references, so only the input-shift part is evidence about the shift.
 
 The estimators take embeddings (rows, L2-normalised by the caller as in the repo), so they run on
 any model's features, toy or real. The notebook's toy (`Config`, `train_mllm`, `scenarios`) is a tiny
 MLLM on the synthetic visual-QA world (`lab.data.vqa`) over the paper's visual × textual shift grid,
-with a token-F1 `judge` standing in for the GPT-4-judged relative preference (RP).
+with a token-F1 `judge` standing in for the GPT-4-judged relative preference (RP), and
+`answer_similarity` as the trivial baseline EMI is compared with.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ from lab.models.mllm import tiny_mllm
 
 # the notebook's controls: the substitutions a skeptic would make (`control=` in the notebook)
 CONTROLS = {"shuffled": "permute the model's response embeddings across the queries of each scenario (the "
-                        "query-response pairing broken, the responses' content kept)"}
+                        "query-response pairing broken, the responses' content kept)",
+            "unrelated_errors": "the model answers the clean queries, and a random fraction (U(0, 0.8), drawn per "
+                                "scenario, blind to its shift) of its answers falls back on one default answer: "
+                                "the responses degrade, but not because of the input shift"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,8 @@ class Config:
     club_steps: int = 1500
     club_lr: float = 2e-3
     club_batch: int = 256
-    shuffled: bool = False  # the control
+    shuffled: bool = False  # control `shuffled`
+    unrelated_errors: bool = False  # control `unrelated_errors`
 
     @classmethod
     def for_scale(cls, scale: str, control: str = "") -> Config:
@@ -64,7 +73,7 @@ class Config:
         if control and control not in CONTROLS:
             raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
         sizes = {} if scale == "smoke" else dict(n_objects=1000, club_steps=4000)
-        return cls(**sizes, shuffled=control == "shuffled")
+        return cls(**sizes, shuffled=control == "shuffled", unrelated_errors=control == "unrelated_errors")
 
 
 class CLUB(nn.Module):
@@ -141,7 +150,8 @@ def jsd_cov(Zp: Tensor, Zq: Tensor, *, normalise: bool = False) -> float:
 
 def upper_bound(jsd_v: float, jsd_t: float, jsd_py: float, jsd_qy: float, *,
                 entropy_scale: float | None = None) -> float:
-    """The EMID bound as the repo computes it: scale-adjusted (default) or entropy-scaled with Ĥ."""
+    """The EMID bound as the repo computes it: scale-adjusted (default; for correlation only) or, with
+    `entropy_scale` = Ĥ, the paper's theorem's entropy-scaled form."""
     jsd_v, jsd_t, jsd_py, jsd_qy = (max(v, 0.0) for v in (jsd_v, jsd_t, jsd_py, jsd_qy))  # round-off below 0
     inputs = math.sqrt(jsd_v) + math.sqrt(jsd_t)
     outputs = jsd_py ** 0.25 + jsd_qy ** 0.25
@@ -173,23 +183,42 @@ def train_mllm(world: VisualQA, cfg: Config, seed: int, *, device: str = "cpu") 
 
 
 def scenarios(world: VisualQA, mllm: nn.Module, enc: FrozenEncoders, objects: dict, visual: list, textual: list, *,
-              answer_tokens: int, shuffle: torch.Generator | None = None, device: str = "cpu") -> dict:
+              answer_tokens: int, shuffle: torch.Generator | None = None, errors: torch.Generator | None = None,
+              device: str = "cpu") -> dict:
     """Every (visual, textual) shift of the same `objects`: the model's greedy answers, their exact-match
     accuracy and RP (mean `judge`), and the embeddings EMI needs — the query z = (z_v + z_t)/2 as in the
-    repo, the model's responses `ym` and the references `yr`. With `shuffle` (the control) the response
-    embeddings are permuted across the queries of each scenario. The first scenario is ID."""
-    scen = {}
+    repo, the model's responses `ym` and the references `yr`; `examples` holds (question, reference,
+    answer, image) with the shifted image (3, 8, 8). With `shuffle` (control `shuffled`) the response
+    embeddings are permuted across the queries of each scenario. With `errors` (control
+    `unrelated_errors`) the model answers the *clean* queries and, in every shifted scenario, a fraction
+    u ~ U(0, 0.8) of its answers (drawn per scenario, blind to the shift) falls back on one default answer:
+    degradation unrelated to the input shift. The first scenario is ID."""
+    scen, clean = {}, world.encode(objects, generator=torch.Generator().manual_seed(7))
     for vis in visual:
         for txt in textual:
             e = world.encode(objects, visual=vis, textual=txt, generator=torch.Generator().manual_seed(7))
-            resp = world.words(mllm.generate(e["patches"].to(device), e["prompt"].to(device), answer_tokens).cpu())
+            seen = clean if errors is not None else e
+            resp = world.words(mllm.generate(seen["patches"].to(device), seen["prompt"].to(device),
+                                             answer_tokens).cpu())
+            if errors is not None and scen:  # every shifted scenario: shift-blind errors
+                resp = unrelated_errors(resp, float(torch.rand((), generator=errors)) * 0.8, errors)
             zv, zt, ym = enc.image(e["patches"]), enc.text(e["question"]), enc.text(resp)
             ym = ym[torch.randperm(len(ym), generator=shuffle)] if shuffle is not None else ym
             scen[vis, txt] = {"z": (zv + zt) / 2, "zv": zv, "zt": zt, "ym": ym, "yr": enc.text(e["reference"]),
                               "acc": sum(r == ref for r, ref in zip(resp, e["reference"])) / len(resp),
                               "rp": sum(judge(r, ref) for r, ref in zip(resp, e["reference"])) / len(resp),
-                              "examples": list(zip(e["question"], e["reference"], resp))}
+                              "examples": list(zip(e["question"], e["reference"], resp,
+                                                   world.shift_image(objects["image"], *vis)))}
     return scen
+
+
+def unrelated_errors(responses: list, fraction: float, generator: torch.Generator) -> list:
+    """The control `unrelated_errors`: a random `fraction` of the responses all replaced by one response
+    drawn at random from the list (a model falling back on a default answer), whatever the shift."""
+    n = len(responses)
+    hit = torch.randperm(n, generator=generator)[: round(fraction * n)].tolist()
+    default = responses[int(torch.randint(n, (), generator=generator))]
+    return [default if i in hit else r for i, r in enumerate(responses)]
 
 
 def club_pairs(scen: dict) -> tuple[Tensor, Tensor]:
@@ -215,13 +244,51 @@ def measure(scen: dict, club: CLUB) -> dict:
 
 def correlations(scen: dict) -> dict:
     """The claims' statistics over measured scenarios: EMID and the scale-adjusted bound of every shift
-    (every scenario after ID), Spearman(EMI, RP) over all scenarios, Pearson and Spearman(bound, EMID)."""
+    (every scenario after ID), Spearman(EMI, RP) over all scenarios, Pearson and Spearman(bound, EMID),
+    the bound split into its terms (`term_correlations`) and the trivial baseline: Spearman(RP, mean
+    cosine between each model answer's embedding and its reference's, `answer_similarity`)."""
     first, *shifts = scen
     gap = torch.tensor([emid(scen[first]["emi"], scen[k]["emi"]) for k in shifts])
     bound = torch.tensor([upper_bound(*scen[k]["jsd"]) for k in shifts])
     emis, rps = torch.tensor([s["emi"] for s in scen.values()]), torch.tensor([s["rp"] for s in scen.values()])
-    return {"emid": gap, "bound": bound, "emi": emis, "rp": rps, "spearman_emi_rp": spearman(emis, rps),
-            "pearson_emid_bound": pearson(bound, gap), "spearman_emid_bound": spearman(bound, gap)}
+    sim = torch.tensor([answer_similarity(s["ym"], s["yr"]) for s in scen.values()])
+    terms = torch.tensor([list(bound_terms(*scen[k]["jsd"]).values()) for k in shifts])  # (shifts, 4)
+    return {"emid": gap, "bound": bound, "emi": emis, "rp": rps, "similarity": sim,
+            "spearman_emi_rp": spearman(emis, rps), "spearman_similarity_rp": spearman(sim, rps),
+            "pearson_emid_bound": pearson(bound, gap), "spearman_emid_bound": spearman(bound, gap),
+            "terms": term_correlations(terms, gap)}
+
+
+def term_correlations(terms: Tensor, gap: Tensor) -> dict:
+    """Pearson r (and p) of EMID with each summand of the scale-adjusted bound alone, with the input-shift
+    part √JSD_v + √JSD_t, with the output part JSD_PY^¼ + JSD_QY^¼, and the partial r of EMID and the
+    input part given the OOD-output term (what the inputs say beyond it). The OOD-output term compares the
+    set of the model's answers with the set of references, so it tracks degradation nearly by construction
+    (whatever its cause); the input part is the bound's non-tautological content. A term constant over the
+    shifts (the ID-output term) has no correlation: (nan, nan)."""
+    names = ["visual √JSD", "text √JSD", "ID outputs JSD^¼", "OOD outputs JSD^¼"]
+    cols = dict(zip(names, terms.double().T)) | {"inputs": terms[:, :2].double().sum(1),
+                                                  "outputs": terms[:, 2:].double().sum(1)}
+    out = {k: _pearson_or_nan(v, gap) for k, v in cols.items()}
+    qy = cols["OOD outputs JSD^¼"]
+    out["inputs | OOD outputs (partial)"] = _pearson_or_nan(_residual(cols["inputs"], qy), _residual(gap, qy))
+    return out
+
+
+def answer_similarity(y_model: Tensor, y_ref: Tensor) -> float:
+    """The trivial baseline for EMI: the mean cosine between each model answer's embedding and its own
+    reference's (one number per scenario, no estimator)."""
+    return torch.nn.functional.cosine_similarity(y_model.double(), y_ref.double(), dim=-1).mean().item()
+
+
+def _residual(y: Tensor, x: Tensor) -> Tensor:
+    """y minus its least-squares line in x (the part of y that x does not explain linearly)."""
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    return y - (x @ y) / (x @ x) * x if x @ x > 0 else y
+
+
+def _pearson_or_nan(a: Tensor, b: Tensor) -> tuple[float, float]:
+    return pearson(a, b) if a.double().std() > 1e-12 and b.double().std() > 1e-12 else (math.nan, math.nan)
 
 
 def shuffled_emi(club: CLUB, s: dict, generator: torch.Generator) -> float:

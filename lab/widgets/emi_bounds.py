@@ -4,8 +4,10 @@ the model's and the reference responses, and the bound's decomposition into its 
 entropy-scale control (Ĥ; off = the repo's scale-adjusted form).
 
 Input: `grid[(visual, textual)] = {"emi", "rp", "jsd": (v, t, py, qy), "examples": [(question, reference,
-response), ...]}` over any scenario labels — the toy's 7 × 5 grid or a real model's scenarios. The ID
-scenario is `grid`'s first key. `grid_figure` and `scatter_figure` are the precomputed views.
+response[, image]), ...]}` over any scenario labels — the toy's 7 × 5 grid or a real model's scenarios;
+an example's optional image (3, H, W, RGB in [0, 1]) is drawn beside its text, enlarged (the toy's are
+8 × 8). The ID scenario is `grid`'s first key. `grid_figure`, `scatter_figure` and `images_figure` are
+the precomputed views.
 """
 
 from __future__ import annotations
@@ -58,6 +60,35 @@ def scatter_figure(grid: dict, entropy_scale: float | None = None) -> tuple[go.F
     return fig, r, p
 
 
+def image_html(img, *, px: int = 6) -> str:
+    """A small RGB image (3, H, W), clipped to [0, 1], as an inline SVG of `px`-sized pixels (no kernel,
+    no image library: it stays visible in the static report)."""
+    rgb = (torch.as_tensor(img, dtype=torch.float).clamp(0, 1) * 255).round().int().permute(1, 2, 0)  # (H, W, 3)
+    H, W, _ = rgb.shape
+    cells = "".join(f'<rect x="{x * px}" y="{y * px}" width="{px}" height="{px}" fill="rgb({r},{g},{b})"/>'
+                    for y in range(H) for x in range(W) for r, g, b in [rgb[y, x].tolist()])
+    return f'<svg width="{W * px}" height="{H * px}" shape-rendering="crispEdges">{cells}</svg>'
+
+
+def images_figure(grid: dict, rows: Sequence, *, column=None, n_examples: int = 4) -> go.Figure:
+    """The first `n_examples` images of each visual shift (rows of the grid, at textual `column`, default
+    the first), as one figure: what the model sees as the visual shift grows."""
+    from plotly.subplots import make_subplots
+
+    column = column if column is not None else next(iter(grid))[1]
+    fig = make_subplots(rows=n_examples, cols=len(rows), column_titles=[_label(r) for r in rows],
+                        horizontal_spacing=0.01, vertical_spacing=0.02)
+    for j, r in enumerate(rows):
+        for i, example in enumerate(grid[r, column]["examples"][:n_examples]):
+            img = torch.as_tensor(example[3], dtype=torch.float).clamp(0, 1).permute(1, 2, 0) * 255
+            fig.add_trace(go.Image(z=img.round().tolist(), hoverinfo="skip"), row=i + 1, col=j + 1)
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    fig.update_layout(title="the same objects under each visual shift (8 × 8 pixels)", height=110 * n_examples + 60,
+                      margin=dict(l=10, r=10, t=70, b=10))
+    return fig
+
+
 def _label(key) -> str:
     return key if isinstance(key, str) else (key[0] if key[1] in (0, None) else f"{key[0]} {key[1]}")
 
@@ -86,10 +117,13 @@ def emi_explorer(grid: dict, rows: Sequence, cols: Sequence, *, n_examples: int 
         terms = bound_terms(*cell["jsd"])
         box.bars = go.Figure(go.Bar(x=list(terms), y=list(terms.values())))
         box.bars.update_layout(title=f"{_label(key[0])} × {_label(key[1])}: the bound's terms", height=300)
-        rows_html = "".join("<tr>" + "".join(f"<td>{html.escape(' '.join(part))}</td>" for part in example) + "</tr>"
-                            for example in cell["examples"][:n_examples])
+        rows_html = "".join("<tr>" + (f"<td>{image_html(ex[3])}</td>" if len(ex) > 3 else "")
+                            + "".join(f"<td>{html.escape(' '.join(part))}</td>" for part in ex[:3]) + "</tr>"
+                            for ex in cell["examples"][:n_examples])
+        has_image = any(len(ex) > 3 for ex in cell["examples"][:n_examples])
         readout.value = (f"EMI {d['EMI']:.3f}, EMID {d['EMID']:.3f}, bound {d['bound']:.3f}, RP {d['RP']:.3f}"
-                         "<table><tr><th>question</th><th>reference</th><th>model</th></tr>" + rows_html + "</table>")
+                         "<table><tr>" + ("<th>image</th>" if has_image else "")
+                         + "<th>question</th><th>reference</th><th>model</th></tr>" + rows_html + "</table>")
         show_in(out_map, box.heatmap)
         show_in(out_scatter, box.scatter)
         show_in(out_bars, box.bars)

@@ -71,6 +71,8 @@ def test_config_for_scale_and_control():
     smoke, full = E.Config.for_scale("smoke"), E.Config.for_scale("full")
     assert smoke == E.Config() and (smoke.n_objects, smoke.club_steps, smoke.shuffled) == (200, 1500, False)
     assert (full.n_objects, full.club_steps) == (1000, 4000) and E.Config.for_scale("full", "shuffled").shuffled
+    errors = E.Config.for_scale("smoke", "unrelated_errors")
+    assert errors.unrelated_errors and not errors.shuffled and not smoke.unrelated_errors
     with pytest.raises(ValueError, match="unknown control"):
         E.Config.for_scale("smoke", "nope")
 
@@ -136,5 +138,90 @@ def test_measure_and_correlations_by_hand():
     torch.testing.assert_close(c["bound"], torch.tensor([0.2 + 0.3 + 0.2 + 0.5, 0.4 + 0.5 + 0.2 + 0.5]))
     assert c["spearman_emi_rp"][0] == pytest.approx(1.0)  # EMI and RP fall together
     assert c["pearson_emid_bound"][0] == pytest.approx(1.0) and c["spearman_emid_bound"][0] == pytest.approx(1.0)
+    # the split: the ID-output term is the same for every shift (no correlation), the others rise with EMID
+    assert math.isnan(c["terms"]["ID outputs JSD^¼"][0])
+    assert c["terms"]["inputs"][0] == pytest.approx(1.0) and c["terms"]["visual √JSD"][0] == pytest.approx(1.0)
+    sims = [E.answer_similarity(s["ym"], s["yr"]) for s in scen.values()]
+    torch.testing.assert_close(c["similarity"], torch.tensor(sims))
+    assert c["spearman_similarity_rp"][0] == pytest.approx(E.spearman(torch.tensor(sims),
+                                                                      torch.tensor([1.0, 0.5, 0.2]))[0])
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     assert E.shuffled_emi(club, ID, g1) == E.emi(club, ID["z"], ID["ym"][torch.randperm(50, generator=g2)], ID["yr"])
+
+
+def test_term_correlations_against_a_least_squares_reference():
+    """EMID built from the terms: the input part alone, the OOD-output term alone and the partial
+    correlation (inputs given the OOD-output term) against residuals from torch's least squares."""
+    g = torch.Generator().manual_seed(0)
+    terms = torch.rand(34, 4, generator=g, dtype=torch.float64)
+    terms[:, 2] = 0.3  # the ID-output term: one value for every shift
+    noise = torch.randn(34, generator=g, dtype=torch.float64)
+    gap = terms[:, 0] + terms[:, 1] + 2 * terms[:, 3] + 0.1 * noise
+    out = E.term_correlations(terms, gap)
+    assert set(out) == {"visual √JSD", "text √JSD", "ID outputs JSD^¼", "OOD outputs JSD^¼", "inputs", "outputs",
+                        "inputs | OOD outputs (partial)"}
+    assert math.isnan(out["ID outputs JSD^¼"][0]) and math.isnan(out["ID outputs JSD^¼"][1])
+    for name, col in (("visual √JSD", terms[:, 0]), ("inputs", terms[:, 0] + terms[:, 1]),
+                      ("outputs", terms[:, 2] + terms[:, 3])):
+        assert out[name][0] == pytest.approx(torch.corrcoef(torch.stack([col, gap]))[0, 1].item())
+
+    def resid(y, x):  # independent reference: least squares with an intercept
+        X = torch.stack([torch.ones(34, dtype=torch.float64), x], 1)
+        return y - X @ torch.linalg.lstsq(X, y[:, None]).solution[:, 0]
+
+    ri, rg = resid(terms[:, 0] + terms[:, 1], terms[:, 3]), resid(gap, terms[:, 3])
+    want = torch.corrcoef(torch.stack([ri, rg]))[0, 1].item()
+    assert out["inputs | OOD outputs (partial)"][0] == pytest.approx(want) and want > 0.5
+    # EMID made of the OOD-output term alone: the inputs say nothing beyond it
+    only_qy = E.term_correlations(terms, terms[:, 3] + 0.01 * noise)
+    assert only_qy["OOD outputs JSD^¼"][0] > 0.99 and abs(only_qy["inputs | OOD outputs (partial)"][0]) < 0.4
+
+
+def test_answer_similarity_by_hand():
+    ym = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
+    yr = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    assert E.answer_similarity(ym, yr) == pytest.approx((1.0 + 0.0 + 0.8) / 3)
+    assert E.answer_similarity(yr, yr) == pytest.approx(1.0)
+
+
+def test_unrelated_errors_fall_back_on_one_answer():
+    answers = [[f"w{i}"] for i in range(20)]
+    assert E.unrelated_errors(answers, 0.0, torch.Generator().manual_seed(0)) == answers
+    out = E.unrelated_errors(answers, 0.5, torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)  # the same draws by hand: the positions, then the default answer
+    hit = set(torch.randperm(20, generator=g)[:10].tolist())
+    default = answers[int(torch.randint(20, (), generator=g))]
+    assert out == [default if i in hit else answers[i] for i in range(20)]
+    assert sum(o == default for o in out) >= 10 and len({str(o) for o in out}) <= 11
+
+
+class Recorder(Parrot):
+    """A Parrot that remembers the images and prompts it was asked about."""
+
+    def __init__(self, tok, words):
+        super().__init__(tok, words)
+        self.seen = []
+
+    def generate(self, patches, prompt, steps):
+        self.seen.append((patches.clone(), prompt.clone()))
+        return super().generate(patches, prompt, steps)
+
+
+def test_scenarios_carry_the_shifted_images_and_the_unrelated_errors_control():
+    from lab.data.vqa import FrozenEncoders, VisualQA
+
+    world = VisualQA()
+    enc = FrozenEncoders(world.tokenizer, seed=0)
+    objects = world.sample(12, torch.Generator().manual_seed(0))
+    grid = [("clean", 0), ("frost", 5)], [("clean", 0), ("typo", 3)]
+    scen = E.scenarios(world, Parrot(world.tokenizer, ["red"]), enc, objects, *grid, answer_tokens=4)
+    for (vis, _), s in scen.items():
+        assert all(len(ex) == 4 for ex in s["examples"])
+        torch.testing.assert_close(torch.stack([ex[3] for ex in s["examples"]]),
+                                   world.shift_image(objects["image"], *vis))
+    # control: the model sees only the clean queries, whatever the scenario's shift
+    rec = Recorder(world.tokenizer, ["red"])
+    E.scenarios(world, rec, enc, objects, *grid, answer_tokens=4, errors=torch.Generator().manual_seed(2))
+    clean = world.encode(objects, generator=torch.Generator().manual_seed(7))
+    assert len(rec.seen) == 4 and all(torch.equal(p, clean["patches"]) and torch.equal(q, clean["prompt"])
+                                      for p, q in rec.seen)
