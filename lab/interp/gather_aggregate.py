@@ -11,7 +11,9 @@ knowledge that needs no retrieval is intact.
 
 This module is the paper's protocol: the pruning curve that finds the (gather, aggregate) layer
 pair, the single-head sweep, the four keep-only configurations, the aggregate row's sharpness, the
-retrieval-vs-context sweep and the controls. Heads are removed with the official operator
+retrieval-vs-context sweep and the controls. Every ablation is also set against random heads of the same
+layers (`versus_random`, `layer_versus_random`), because in a small model removing *any* heads costs accuracy:
+what the paper's heads carry is the excess over that. Heads are removed with the official operator
 (`lab.models.hooks.ablate_heads`, which restores the exact weights on exit, so no ablated copy leaks
 into the next configuration; the official notebook reloads the model instead).
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -38,8 +40,9 @@ Evaluate = Callable[[], float]  # accuracy of the model in its current (ablated)
 
 # the notebook's controls: the substitutions a skeptic would make (`control=` in the notebook)
 CONTROLS = {
-    "random_heads": "remove as many heads as the aggregate layer has, drawn at random from both layers of the "
-                    "minimal model, instead of the aggregate layer's heads",
+    "random_heads": "replace the heads under test by random heads of the same layers: the aggregate layer's heads by "
+                    "as many drawn from both layers of the minimal model, {G, A} by one head drawn in each of their "
+                    "layers; each comparison with random heads then sets random against random (`versus_random`)",
     "shuffled": "measure the aggregate row's mass on a randomly drawn wrong option instead of the answer's option",
     "untrained": "the same two architectures at their random initialisation, never trained",
 }
@@ -69,14 +72,16 @@ class Config:
     n_layers: int = 2  # the toys' (gather, aggregate) layer pair is (0, 1)
     n_heads: int = 4
     head_dim: int = 16
-    transformer_steps: int = 1200
-    mamba2_steps: int = 300  # Mamba-2 learns the task ~5× faster in steps
+    transformer_steps: int = 1000
+    mamba2_steps: int = 260  # Mamba-2 learns the task ~5× faster in steps
     batch_size: int = 64
     lr: float = 3e-3
     n_letter: int = 300  # held-out letter prompts; `n_rows` of them for the sharpness
+    n_verify: int = 200  # further letter prompts: {G, A} against random heads, scored off the prompts that chose them
+    n_draws: int = 10  # random head sets averaged in each comparison with random heads
     n_cloze: int = 100
     n_rows: int = 64
-    n_per_k: int = 150  # letter prompts per number of options
+    n_per_k: int = 100  # letter prompts per number of options
     n_explore: int = 100  # prompts the explorer scores; it shows `n_show`
     n_show: int = 8
     n_checkpoint: int = 40  # category MCQs of each kind for a checkpoint
@@ -87,7 +92,7 @@ class Config:
         """"full": 3× the training steps and prompts; the `untrained` control trains no step."""
         if control and control not in CONTROLS:
             raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
-        sizes = {} if scale == "smoke" else dict(transformer_steps=3600, mamba2_steps=900, n_letter=1000,
+        sizes = {} if scale == "smoke" else dict(transformer_steps=3000, mamba2_steps=780, n_letter=1000, n_verify=1000,
                                                    n_cloze=300, n_rows=256, n_per_k=500, n_checkpoint=1000)
         return cls(**sizes | (dict(transformer_steps=0, mamba2_steps=0) if control == "untrained" else {}))
 
@@ -96,8 +101,9 @@ class Config:
 
 @dataclass
 class Study:
-    """The models under study, their tokenizer and task, held-out prompts (seeded by 10 000 + seed), each
-    model's (gather, aggregate) layer pair (a checkpoint's comes from `locate`) and its given G and A."""
+    """The models under study, their tokenizer and task, held-out prompts (seeded by 10 000 + seed; the
+    verification prompts by 30 000 + seed), each model's (gather, aggregate) layer pair (a checkpoint's
+    comes from `locate`) and its given G and A."""
 
     models: dict[str, nn.Module]
     tokenizer: object
@@ -107,9 +113,13 @@ class Study:
     pairs: dict[str, tuple[int, int]]
     heads: dict[str, tuple[tuple[int, int], tuple[int, int]] | None]  # None: the sweep finds G and A
     info: dict[str, dict]  # per model: what was built or loaded
+    verify_ex: list[dict] = field(default_factory=list)  # letter prompts that did not choose G and A
 
     def letter(self, model: nn.Module) -> Evaluate:  # retrieval
         return partial(choice_accuracy, model, self.tokenizer, self.letter_ex, self.task.letters)
+
+    def verify(self, model: nn.Module) -> Evaluate:  # retrieval, on the verification prompts
+        return partial(choice_accuracy, model, self.tokenizer, self.verify_ex, self.task.letters)
 
     def cloze(self, model: nn.Module) -> Evaluate:  # the knowledge alone (None: each example's choices)
         return partial(choice_accuracy, model, self.tokenizer, self.cloze_ex, self.task.choices("cloze"))
@@ -134,8 +144,10 @@ def train_toys(cfg: Config, seed: int, *, device: str = "cpu") -> Study:
                       "seconds": round(res.seconds)}
     letter_ex = task.examples(cfg.n_letter, g, "letter", n_options=cfg.eval_options)
     cloze_ex = task.examples(cfg.n_cloze, g, "cloze")
+    verify_ex = task.examples(cfg.n_verify, torch.Generator().manual_seed(30_000 + seed), "letter",
+                              n_options=cfg.eval_options)
     return Study(models, task.tokenizer, task, letter_ex, cloze_ex, {name: (0, 1) for name in models},
-                 {name: None for name in models}, info)
+                 {name: None for name in models}, info, verify_ex)
 
 
 def load_checkpoint(cfg: Config, model: str, seed: int, *, device: str = "cpu") -> Study:
@@ -145,9 +157,11 @@ def load_checkpoint(cfg: Config, model: str, seed: int, *, device: str = "cpu") 
     task = CategoryMCQ()
     letter_ex = task.examples(cfg.n_checkpoint, g, "letter")
     cloze_ex = task.examples(cfg.n_checkpoint, g, "cloze")
+    verify_ex = task.examples(cfg.n_checkpoint, torch.Generator().manual_seed(30_000 + seed), "letter")
     heads = paper_heads(model)
     return Study({"checkpoint": net}, tok, task, letter_ex, cloze_ex, {}, {"checkpoint": heads},
-                 {"checkpoint": {"parameters": sum(p.numel() for p in net.parameters()), "paper's heads": heads}})
+                 {"checkpoint": {"parameters": sum(p.numel() for p in net.parameters()), "paper's heads": heads}},
+                 verify_ex)
 
 
 def random_heads(model: nn.Module, layer_ids: Iterable[int], n: int, generator: torch.Generator) -> Heads:
@@ -272,6 +286,14 @@ class Discovery:
     other_max: float  # largest letter drop of any other single head in those layers
     table: dict[str, float]  # the four keep-only configurations
 
+    @property
+    def heads(self) -> Heads:
+        """{G, A} as `hooks.ablate_heads` takes them: layer -> head indices."""
+        out: dict[int, list[int]] = {}
+        for layer, h in (self.gather, self.aggregate):
+            out.setdefault(layer, []).append(h)
+        return out
+
     def summary(self) -> dict:
         """The measurements a run records."""
         return {"layers": self.layer_ids, "gather": self.gather, "aggregate": self.aggregate, "removed": self.removed,
@@ -298,6 +320,74 @@ def discover(model: nn.Module, letter: Evaluate, cloze: Evaluate, layer_ids: tup
     others[0, gather[1]] = others[1, aggregate[1]] = float("-inf")
     return Discovery(letter(), cloze(), [lg, la], drop, cloze_drop, gather, aggregate, removed,
                      float(others.max()), four_configurations(model, gather, aggregate, letter))
+
+
+def random_like(model: nn.Module, heads: Heads, generator: torch.Generator) -> Heads:
+    """As many heads in each layer as `heads` lists there, drawn uniformly without replacement from that
+    layer's heads (the draw may hit the listed ones): a random stand-in of the same shape."""
+    return {layer: sorted(torch.randperm(hooks.head_shape(model, layer)[0], generator=generator)[:len(hs)].tolist())
+            for layer, hs in heads.items()}
+
+
+def versus_random(model: nn.Module, heads: Heads, evaluate: Evaluate, *, n_draws: int, seed: int,
+                  control: bool = False, draw: Callable[[torch.Generator], Heads] | None = None,
+                  keep: bool = True) -> dict[str, float]:
+    """{G, A} against random heads of the same layers (the skeptic's question: would any heads do?).
+
+    Accuracy with `heads` removed and with only `heads` kept in their layers (`hooks.ablate_heads`, the
+    official out_proj-column operator), beside the mean of `n_draws` same-shape random sets (`random_like`,
+    or `draw(generator)`; generator seeded with `seed`); "excess drop" = random removed − removed, "excess
+    kept" = kept − random kept (`keep=False`: removals only). With `control` (the random_heads control)
+    `heads` is itself replaced by the mean of `n_draws` further random sets, so the excesses measure random
+    against random. Score on prompts that did not choose `heads`, or the argmax that picked them inflates
+    the excess drop."""
+    g = torch.Generator().manual_seed(seed)
+    draw = draw or partial(random_like, model, heads)
+
+    def scores(hs: Heads) -> list[float]:
+        with hooks.ablate_heads(model, hs):
+            out = [evaluate()]
+        if keep:
+            with hooks.ablate_heads(model, hs, keep=True):
+                out.append(evaluate())
+        return out
+
+    def mean_random() -> list[float]:
+        return torch.tensor([scores(draw(g)) for _ in range(n_draws)]).mean(0).tolist()
+
+    rand = mean_random()
+    own = mean_random() if control else scores(heads)
+    out = {"removed": own[0], "random removed": rand[0], "excess drop": rand[0] - own[0]}
+    if keep:
+        out |= {"kept": own[1], "random kept": rand[1], "excess kept": own[1] - rand[1]}
+    return out
+
+
+def layer_versus_random(model: nn.Module, pair: tuple[int, int], evaluate: Evaluate, *, n_draws: int, seed: int,
+                        control: bool = False) -> dict[str, float]:
+    """The aggregate layer's heads removed against as many heads drawn at random from both layers of `pair`
+    (`random_heads`), `versus_random` with removals only: "excess drop" is the letter accuracy that the
+    aggregate layer's heads carry beyond random heads of the minimal model. When the draw is half of the
+    pool (two layers of equal size) every other draw is the complement of the one before (antithetic
+    pairs: each is still a uniform draw, and a pair's mean no longer depends on how many heads of each
+    layer one draw happened to take)."""
+    layer_ids, n = sorted(set(pair)), hooks.head_shape(model, pair[1])[0]
+    pool = {(layer, h) for layer in layer_ids for h in range(hooks.head_shape(model, layer)[0])}
+    pending: list[Heads] = []
+
+    def draw(g: torch.Generator) -> Heads:
+        if pending:
+            return pending.pop()
+        heads = random_heads(model, layer_ids, n, g)
+        if 2 * n == len(pool):
+            rest = sorted(pool - {(layer, h) for layer, hs in heads.items() for h in hs})
+            pending.append({layer: [h for l2, h in rest if l2 == layer] for layer in layer_ids
+                            if any(l2 == layer for l2, _ in rest)})
+        return heads
+
+    la = pair[1]
+    return versus_random(model, hooks.all_heads(model, la), evaluate, n_draws=n_draws, seed=seed,
+                         control=control, draw=draw, keep=False)
 
 
 # ------------------------------------------------------------- step 3: how sharp is the aggregate row

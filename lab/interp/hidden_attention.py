@@ -8,14 +8,25 @@ $y_i = \sum_{j \le i} \alpha_{ij} x_j + D x_i$ with a causal, data-dependent mat
 * Mamba-1 / S6, one matrix per inner channel $d$ (Ali, Zimerman & Wolf 2024, "The Hidden Attention of
   Mamba Models", arXiv 2403.01590):
   $\alpha_{d,i,j} = \sum_n C_i[n] \exp\big(A_{d,n} \sum_{k=j+1}^{i} \Delta_k[d]\big) \Delta_j[d] B_j[n]$.
-* Mamba-2 / SSD, one matrix per head $h$ (scalar decay $A_h$; heads of a group share $B, C$):
-  $M_{h,i,j} = (C_i \cdot B_j) \exp\big(A_h \sum_{k=j+1}^{i} \Delta_k[h]\big) \Delta_j[h]$.
+* Mamba-2 / SSD, one matrix per head $h$ (scalar decay $A_h$; heads of a group share $B, C$), with the
+  skip term on the diagonal as the official `materialize_mixer` (goombalab/Gather-and-Aggregate,
+  `models/mixers/discrete_mamba2.py`) adds it, so that $y_i = \sum_j M_{h,i,j} x_j$ exactly:
+  $M_{h,i,j} = (C_i \cdot B_j) \exp\big(A_h \sum_{k=j+1}^{i} \Delta_k[h]\big) \Delta_j[h] + [i = j]\, D_h$.
+  (The official Llamba mixer feeds the scan $x / \Delta$, so its matrix has no $\Delta_j$ factor; Hugging
+  Face's Mamba-2 feeds $x$ and scales by $\Delta$ inside, so ours has it. Both give the same $y$.)
 
 Both are zero for $j > i$. Bick, Xing & Gu (ICML 2025, "Understanding the Skill Gap in Recurrent Language
 Models: The Role of the Gather-and-Aggregate Mechanism", arXiv 2504.18574) plot such matrices to compare
 SSM Gather/Aggregate heads with attention heads. Unlike softmax attention the matrices omit the causal
-conv1d (a 4-token local mix before the SSM), the skip term $D x_i$, the gate $z$ and `out_proj`;
-entries can be negative and rows do not sum to 1, so compare patterns after normalisation.
+conv1d (a 4-token local mix before the SSM), the gate $z$ and `out_proj` (and, for Mamba-1, the skip
+term $D x_i$, as Ali et al. define it); entries can be negative and rows do not sum to 1, so compare
+patterns after normalisation.
+
+Heads and the norm: on Hugging Face's Mamba-2 the head output goes through a *gated RMSNorm* (over all the
+heads of a group) before `out_proj`, so removing a head by zeroing its `out_proj` columns (the official
+operator) acts after the norm — a post-norm ablation; the other heads keep the normalisation that the
+removed head's output contributed to. It equals removing the head's output $y_h$ itself only on a
+norm-free mixer such as the official Llamba `DiscreteMamba2` (`out_proj(y * silu(z))`).
 
 Works on Hugging Face `Mamba2Mixer` / `MambaMixer` (transformers 5.x) by replaying their torch forward up
 to the scan; `mixer_output_from_attention` rebuilds the mixer output from the matrix as a check.
@@ -53,9 +64,11 @@ def _conv_act(mixer: nn.Module, u: Tensor) -> Tensor:
 
 
 def mamba2_hidden_attention(mixer: Mamba2Mixer, hidden_states: Tensor) -> tuple[Tensor, dict]:
-    r"""SSD matrices $M_{h,i,j} = (C_i \cdot B_j)\, e^{A_h \sum_{k=j+1}^{i} \Delta_k[h]}\, \Delta_j[h]$ of a
-    `Mamba2Mixer` for its input `hidden_states` (B, T, d_model). Returns M (B, H, T, T) in float32 and the
-    parts `x` (B, T, H, P), `z` (B, T, H·P), `dt` (B, T, H), `A` (H,), `B`, `C` (B, T, H, N), `D` (H,)."""
+    r"""SSD matrices $M_{h,i,j} = (C_i \cdot B_j)\, e^{A_h \sum_{k=j+1}^{i} \Delta_k[h]}\, \Delta_j[h] + [i=j]\, D_h$
+    of a `Mamba2Mixer` for its input `hidden_states` (B, T, d_model): the scan's output is exactly
+    $y_i = \sum_j M_{h,i,j} x_j$, the skip $D_h x_i$ on the diagonal as in the official `materialize_mixer`.
+    Returns M (B, H, T, T) in float32 and the parts `x` (B, T, H, P), `z` (B, T, H·P), `dt` (B, T, H),
+    `A` (H,), `B`, `C` (B, T, H, N), `D` (H,)."""
     H, P, G, N = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
     b, T, _ = hidden_states.shape
     # in_proj -> gate z, conv input (x, B, C), raw time step
@@ -71,6 +84,7 @@ def mamba2_hidden_attention(mixer: Mamba2Mixer, hidden_states: Tensor) -> tuple[
     L = torch.exp(segsum(A[:, None] * dt.transpose(1, 2)))  # (B, H, T, T) decay e^{A_h Σ Δ_k}
     CB = torch.einsum("bihn,bjhn->bhij", C, B)  # (B, H, T, T)
     M = CB * L * dt.transpose(1, 2)[:, :, None, :]  # (B, H, T, T), times Δ_j on the columns
+    M = M + torch.diag_embed(mixer.D.float()[:, None].expand(H, T))  # the skip D_h on the diagonal
     return M, {"x": x, "z": z, "dt": dt, "A": A, "B": B, "C": C, "D": mixer.D}
 
 
@@ -94,12 +108,13 @@ def mamba1_hidden_attention(mixer: MambaMixer, hidden_states: Tensor) -> tuple[T
 
 
 def mixer_output_from_attention(mixer: Mamba2Mixer | MambaMixer, attn: Tensor, parts: dict) -> Tensor:
-    r"""Rebuild the mixer output from its matrix: $y_i = \sum_j \mathrm{attn}_{ij} x_j + D x_i$, then the
-    gate (Mamba-2: gated RMSNorm of $y \cdot \mathrm{silu}(z)$; Mamba-1: $y \cdot \mathrm{silu}(z)$) and
-    `out_proj`. Returns (B, T, d_model) in the model's dtype; equals `mixer(hidden_states)` up to rounding."""
+    r"""Rebuild the mixer output from its matrix: $y_i = \sum_j \mathrm{attn}_{ij} x_j$ (Mamba-2, whose
+    matrix holds $D$ on its diagonal) or $\sum_j \mathrm{attn}_{ij} x_j + D x_i$ (Mamba-1), then the gate
+    (Mamba-2: gated RMSNorm of $y \cdot \mathrm{silu}(z)$; Mamba-1: $y \cdot \mathrm{silu}(z)$) and `out_proj`.
+    Returns (B, T, d_model) in the model's dtype; equals `mixer(hidden_states)` up to rounding."""
     x, z, D = parts["x"].float(), parts["z"], parts["D"].float()
     if isinstance(mixer, Mamba2Mixer):
-        y = torch.einsum("bhij,bjhp->bihp", attn, x) + D[:, None] * x  # (B, T, H, P)
+        y = torch.einsum("bhij,bjhp->bihp", attn, x)  # (B, T, H, P), the skip included
         y = mixer.norm(y.flatten(2), z)  # (B, T, H·P), groups of H·P / n_groups channels
     elif isinstance(mixer, MambaMixer):
         y = torch.einsum("bdij,bjd->bid", attn, x) + D * x  # (B, T, D)

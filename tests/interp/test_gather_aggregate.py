@@ -136,8 +136,9 @@ def test_the_notebook_declares_the_documented_controls():
 
 def test_config_for_scale_and_controls():
     smoke, full = ga.Config.for_scale("smoke"), ga.Config.for_scale("full")
-    assert smoke == ga.Config() and (smoke.transformer_steps, smoke.mamba2_steps) == (1200, 300)
-    assert (full.transformer_steps, full.mamba2_steps, full.n_letter, full.n_rows) == (3600, 900, 1000, 256)
+    assert smoke == ga.Config() and (smoke.transformer_steps, smoke.mamba2_steps) == (1000, 260)
+    assert (full.transformer_steps, full.mamba2_steps, full.n_letter, full.n_rows) == (3000, 780, 1000, 256)
+    assert smoke.n_draws % 2 == 0  # layer_versus_random draws antithetic pairs
     untrained = ga.Config.for_scale("full", "untrained"), ga.Config.for_scale("smoke", "untrained")
     assert all(c.transformer_steps == c.mamba2_steps == 0 for c in untrained)
     assert ga.Config.for_scale("smoke", "shuffled") == smoke
@@ -149,7 +150,7 @@ def test_config_for_scale_and_controls():
 
 def test_untrained_toys_are_the_seeded_initialisation_and_prompts_come_from_their_seed():
     cfg = ga.Config.for_scale("smoke", "untrained")
-    cfg = type(cfg)(**{**cfg.__dict__, "n_letter": 6, "n_cloze": 4})
+    cfg = type(cfg)(**{**cfg.__dict__, "n_letter": 6, "n_cloze": 4, "n_verify": 5})
     study = ga.train_toys(cfg, 3)
     task = LetterRetrieval(max_filler=0, n_questions=4, n_labels=8, n_options=6, min_options=2)
     V = len(task.tokenizer)
@@ -163,6 +164,10 @@ def test_untrained_toys_are_the_seeded_initialisation_and_prompts_come_from_thei
     g = torch.Generator().manual_seed(10_003)
     assert study.letter_ex == task.examples(6, g, "letter", n_options=4)
     assert study.cloze_ex == task.examples(4, g, "cloze")
+    # the verification prompts come from their own generator, so adding them changed no other prompt
+    assert study.verify_ex == task.examples(5, torch.Generator().manual_seed(30_003), "letter", n_options=4)
+    assert study.verify(study.models["mamba2"])() == choice_accuracy(study.models["mamba2"], study.tokenizer,
+                                                                     study.verify_ex, task.letters)
     assert study.pairs == {"transformer": (0, 1), "mamba2": (0, 1)}
     assert study.heads == {"transformer": None, "mamba2": None}
     m = study.models["transformer"]
@@ -254,3 +259,66 @@ def test_retrieval_vs_options_against_heads_zeroed_by_hand():
         for cond, model in zip(want, (m, cut_a, cut_all)):
             want[cond].append(choice_accuracy(model, task.tokenizer, ex, task.letters))
     assert got == want
+
+
+def test_random_like_draws_the_same_shape_per_layer():
+    m = MODELS["mamba2"]
+    H = hooks.head_shape(m, 0)[0]
+    heads = {0: [1], 1: [0, 3]}
+    draws = [ga.random_like(m, heads, torch.Generator().manual_seed(s)) for s in range(30)]
+    assert all({k: len(v) for k, v in d.items()} == {0: 1, 1: 2} for d in draws)
+    assert all(len(set(hs)) == len(hs) and set(hs) <= set(range(H)) for d in draws for hs in d.values())
+    assert draws[0] == ga.random_like(m, heads, torch.Generator().manual_seed(0))
+    assert len({tuple(d[0]) for d in draws}) > 1  # not always the same head
+
+
+def test_versus_random_against_a_naive_loop():
+    m = MODELS["llama"]
+    acc = lambda: 0.25 + 0.75 * float(alive(m, 0, 2) and alive(m, 1, 1))  # needs exactly G = L0H2 and A = L1H1
+    heads = {0: [2], 1: [1]}
+    got = ga.versus_random(m, heads, acc, n_draws=6, seed=4)
+    # by hand: draws from the same seeded generator, each draw removed then kept-only
+    g = torch.Generator().manual_seed(4)
+    draws = [ga.random_like(m, heads, g) for _ in range(6)]
+    hit = [float(d[0] == [2] or d[1] == [1]) for d in draws]  # a draw that removes G or A kills the task
+    both = [float(d[0] == [2] and d[1] == [1]) for d in draws]  # keeping only G and A keeps it
+    rand_removed = sum(1.0 - 0.75 * h for h in hit) / 6
+    rand_kept = sum(0.25 + 0.75 * b for b in both) / 6
+    want = {"removed": 0.25, "random removed": rand_removed, "excess drop": rand_removed - 0.25,
+            "kept": 1.0, "random kept": rand_kept, "excess kept": 1.0 - rand_kept}
+    assert got == pytest.approx(want)
+    assert got["excess drop"] > 0 and got["excess kept"] > 0
+    # the control: the heads under test are themselves the mean of further draws of the same generator
+    ctl = ga.versus_random(m, heads, acc, n_draws=6, seed=4, control=True)
+    more = [ga.random_like(m, heads, g) for _ in range(6)]
+    own_removed = sum(1.0 - 0.75 * float(d[0] == [2] or d[1] == [1]) for d in more) / 6
+    assert ctl["random removed"] == pytest.approx(rand_removed) and ctl["removed"] == pytest.approx(own_removed)
+    assert all(alive(m, l, h) for l in (0, 1) for h in range(4))  # every weight restored
+    assert set(ga.versus_random(m, heads, acc, n_draws=2, seed=0, keep=False)) == {"removed", "random removed",
+                                                                                   "excess drop"}
+
+
+def test_layer_versus_random_draws_antithetic_pairs():
+    m = MODELS["llama"]
+    acc = lambda: sum(alive(m, 1, h) for h in range(4)) / 4  # what is left of layer 1
+    # any 4 of the 8 heads with k in layer 1 leave 1 - k/4; its complement leaves k/4: each pair's mean is 1/2
+    got = ga.layer_versus_random(m, (0, 1), acc, n_draws=8, seed=3)
+    assert got == {"removed": 0.0, "random removed": 0.5, "excess drop": 0.5}
+    ctl = ga.layer_versus_random(m, (0, 1), acc, n_draws=8, seed=3, control=True)
+    assert ctl == {"removed": 0.5, "random removed": 0.5, "excess drop": 0.0}
+    # the removals evaluated, in order: draw 1, draw 2 (its complement), then the aggregate layer's heads
+    removed = []
+    dead = lambda: {l: [h for h in range(4) if not alive(m, l, h)] for l in (0, 1)}
+    ga.layer_versus_random(m, (0, 1), lambda: removed.append(dead()) or 0.0, n_draws=2, seed=3)
+    first = {l: hs for l, hs in removed[0].items() if hs}
+    assert first == ga.random_heads(m, (0, 1), 4, torch.Generator().manual_seed(3))  # a plain draw
+    pairs = [{(l, h) for l, hs in r.items() for h in hs} for r in removed]
+    assert len(pairs[0]) == len(pairs[1]) == 4 and not pairs[0] & pairs[1]  # the complement
+    assert pairs[2] == {(1, h) for h in range(4)}
+
+
+def test_discovery_heads_merge_a_shared_layer():
+    d = ga.Discovery(1.0, 1.0, [0, 1], torch.zeros(2, 4), torch.zeros(2, 4), (0, 2), (1, 1), {}, 0.0, {})
+    assert d.heads == {0: [2], 1: [1]}
+    d = ga.Discovery(1.0, 1.0, [1, 1], torch.zeros(2, 4), torch.zeros(2, 4), (1, 2), (1, 0), {}, 0.0, {})
+    assert d.heads == {1: [2, 0]}

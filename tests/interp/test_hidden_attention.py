@@ -96,21 +96,26 @@ def test_mamba2_matrix_rebuilds_the_mixer_output(n_groups, chunk_size, T, limit)
         torch.testing.assert_close(hidden_attention(model, ids, layer), M)
 
 
-def test_mamba2_matrix_equals_a_naive_recurrence():
+def test_mamba2_matrix_equals_a_naive_recurrence_with_the_skip():
     model = tiny_mamba2(n_groups=2, chunk_size=4)
+    mixer = model.backbone.layers[0].mixer
     h = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        M, p = mamba2_hidden_attention(model.backbone.layers[0].mixer, h)
-    x, dt, A, B, C = p["x"].float(), p["dt"], p["A"], p["B"], p["C"]
-    # h_t = exp(Δ_t A_h) h_{t-1} + Δ_t x_t B_t^T (P, N);  y_t = h_t C_t
+        M, p = mamba2_hidden_attention(mixer, h)
+    x, dt, A, B, C, D = p["x"].float(), p["dt"], p["A"], p["B"], p["C"], mixer.D.detach()
+    assert D.abs().min() > 0.05  # perturbed away from 0 (and from 1, its init), so the skip shows
+    # h_t = exp(Δ_t A_h) h_{t-1} + Δ_t x_t B_t^T (P, N);  y_t = h_t C_t + D_h x_t (the skip)
     state, ys = torch.zeros(4, 16, 8), []
     for t in range(6):
         dBx = dt[0, t, :, None, None] * x[0, t, :, :, None] * B[0, t, :, None, :]  # (H, P, N)
         state = torch.exp(dt[0, t] * A)[:, None, None] * state + dBx
-        ys.append(torch.einsum("hpn,hn->hp", state, C[0, t]))
+        ys.append(torch.einsum("hpn,hn->hp", state, C[0, t]) + D[:, None] * x[0, t])
     y_loop = torch.stack(ys)  # (T, H, P)
     y_matrix = torch.einsum("hij,jhp->ihp", M[0], x[0])
     assert (y_loop - y_matrix).abs().max() < 1e-5
+    # the skip sits on the diagonal only: M - diag(D) is the pure scan (its diagonal C_i·B_i Δ_i)
+    scan_diag = (C[0] * B[0]).sum(-1) * dt[0]  # (T, H)
+    torch.testing.assert_close(M[0].diagonal(dim1=-2, dim2=-1), scan_diag.T + D[:, None], rtol=1e-5, atol=1e-6)
     # n_groups=2: heads 0,1 read group 0, heads 2,3 group 1
     assert torch.equal(B[..., 0, :], B[..., 1, :]) and not torch.equal(B[..., 1, :], B[..., 2, :])
 
