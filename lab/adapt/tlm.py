@@ -11,17 +11,22 @@ emphasise the informative high-perplexity inputs by the Sample Efficient Learnin
 per-sample mean NLL CE_i, weighted by coeff_i = λ·exp(CE_i − threshold) on samples with CE_i > threshold,
 summed and divided by the number selected (0 if none). That is the default here (`objective="code"`;
 `"paper"` uses the perplexity itself). Offline, CE_i comes from the base model (adapters disabled) once;
-online, from the current model per chunk (predict, then train). The official trainer back-propagates a
-zero loss for unselected samples; here they are truly skipped (`skip_unselected=True`), and the count of
-backward passes is returned either way.
+online, from the current model per chunk: each chunk of the stream is answered first, then learned from
+with a fresh optimiser (the official `forward_for_online` builds a new trainer per chunk), and online TLM is
+scored on those answers. The official trainer back-propagates a zero loss for unselected samples; here they
+are truly skipped (`skip_unselected=True`), and the count of backward passes is returned either way.
 
-Baselines: Tent (entropy of the model's own greedy continuation) and an EATA-style filter and weight
-(entropy < E0, weight exp(−(E − E0))).
+Baselines (not in the official repository; the paper's Sec. 5 description): Tent, the entropy of the model's
+own greedy continuation, and EATA (official `mr-eggplant/EATA`): that entropy on reliable (E < E0) and
+non-redundant (cosine filter against a moving average) inputs, weighted 1/exp(E − E0), plus its Fisher
+regulariser; both adapt the same LoRA weights, and their backward passes are counted.
 
-The toy (`Config`, `build`, `run_arms`): a 2-layer Llama pre-trained on a source Markov domain
-(`lab.data.domains`) meets an unlabeled stream from a shifted target domain; each arm (TLM, its ablations,
-Tent, EATA, full-parameter TLM, online TLM) adapts a fresh copy of the base model on the stream and is scored
-on held-out target and source questions.
+The toy (`Config`, `build`, `run_arms`): a 2-layer Llama pre-trained on a source Markov domain and an unrelated
+retention domain (`lab.data.domains.RetentionDomains`) meets an unlabeled stream from a shifted target domain;
+each arm (TLM, TLM w/o SEL, Tent, EATA, full-parameter TLM, online TLM with and without SEL) adapts a fresh copy
+of the base model on the stream and is scored on the stream's answers, on held-out target questions and on the
+retention domain. (About 440 lines, past the ~300 guide: EATA in full, with its filters and Fisher regulariser,
+and the online scoring; the toy half could move to a module of its own.)
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch
 from torch import Tensor
 
 from lab.core import progress
-from lab.data.domains import MarkovDomains, answer_scores
+from lab.data.domains import MarkovDomains, RetentionDomains, answer_scores
 from lab.models import TinyLM, TrainResult
 
 
@@ -73,14 +78,23 @@ def tlm_loss(ce: Tensor, coeff: Tensor, selected: Tensor, *, objective: str = "c
     return (coeff * selected * f).sum() / selected.sum()
 
 
+def continuation(model, input_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The model's own k greedy continuation tokens (chosen without gradient) and the log-distributions that
+    chose them, with gradient: (tokens (B, k), log p (B, k, V)). The first k − 1 tokens are generated without
+    gradient; one forward with gradient over them gives all k distributions, and the k-th token is the argmax of
+    the last (the same greedy token, one forward fewer)."""
+    with torch.no_grad():
+        x = input_ids
+        for _ in range(k - 1):
+            x = torch.cat([x, model(input_ids=x).logits[:, -1:].argmax(-1)], 1)
+    logp = model(input_ids=x).logits[:, input_ids.shape[1] - 1:].float().log_softmax(-1)  # (B, k, V)
+    return torch.cat([x[:, input_ids.shape[1]:], logp[:, -1:].detach().argmax(-1)], 1), logp
+
+
 def entropy_of_continuation(model, input_ids: Tensor, k: int) -> Tensor:
     """Mean predictive entropy (nats) over the model's own k greedy continuation tokens: (B,), with
     gradient through the distributions (the continuation itself is chosen without gradient)."""
-    with torch.no_grad():
-        x = input_ids
-        for _ in range(k):
-            x = torch.cat([x, model(input_ids=x).logits[:, -1:].argmax(-1)], 1)
-    logp = model(input_ids=x).logits[:, input_ids.shape[1] - 1:-1].float().log_softmax(-1)  # (B, k, V)
+    logp = continuation(model, input_ids, k)[1]
     return -(logp.exp() * logp).sum(-1).mean(-1)
 
 
@@ -114,17 +128,53 @@ def tlm_objective(*, threshold: float = 3.0, lamb: float = 0.1, objective: str =
 
 
 def tent_objective(k: int = 8) -> Objective:
-    """Tent: minimise the entropy of the model's own k-token greedy continuation."""
+    """Tent (Wang et al., ICLR 2021) as the TLM paper runs it on LLMs (Sec. 5): minimise the entropy of the
+    model's own k-token greedy continuation, every input, weight 1."""
     return lambda model, x: (entropy_of_continuation(model, x, k).mean(), torch.tensor(True))
 
 
-def eata_objective(e0: float, k: int = 8) -> Objective:
-    """EATA-style: entropy minimisation only on confident samples (E < E0), weighted exp(−(E − E0))."""
+def fisher_information(model, inputs: list[Tensor], k: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """EATA's anti-forgetting weights (Niu et al., ICML 2022, Eq. 9; official `mr-eggplant/EATA`, main.py):
+    the diagonal Fisher of the trainable parameters on in-distribution inputs, i.e. the squared gradient of the
+    cross-entropy against the model's own greedy continuation (pseudo-labels), averaged over the batches
+    `inputs` (each (B, T)). Returns {name: (F, θ0)}."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    fisher = {n: torch.zeros_like(p) for n, p in params.items()}
+    for x in inputs:
+        tokens, logp = continuation(model, x, k)
+        ce = -logp.gather(-1, tokens[..., None]).mean()
+        for n, g in zip(params, torch.autograd.grad(ce, list(params.values()), allow_unused=True)):
+            if g is not None:
+                fisher[n] += g.detach() ** 2
+    return {n: (f / len(inputs), params[n].detach().clone()) for n, f in fisher.items()}
+
+
+def eata_objective(e0: float, k: int = 8, *, d_margin: float = 1.0, fishers: dict | None = None,
+                   alpha: float = 2000.0) -> Objective:
+    """EATA (Niu et al., ICML 2022; official `mr-eggplant/EATA`, eata.py `forward_and_adapt_eata`) on the
+    model's k-token greedy continuation: a sample is *reliable* if its entropy E < E0 (Eq. 3) and *non-redundant*
+    if its mean predicted distribution p̄ has |cos(p̄, m)| < d_margin with m the moving average (0.9) of the
+    kept samples' p̄ (Eqs. 4-5; none before the first); kept samples' entropies are weighted 1/exp(E − E0) and
+    averaged, plus the Fisher regulariser α Σ F (θ − θ0)² (Eqs. 8-9). No kept sample: no backward, as the
+    official code."""
+    state: dict[str, Tensor | None] = {"m": None}
 
     def f(model, x):
-        e = entropy_of_continuation(model, x, k)
+        logp = continuation(model, x, k)[1]
+        p = logp.exp()
+        e = -(p * logp).sum(-1).mean(-1)  # (B,)
+        pbar = p.mean(1).detach()  # (B, V)
         keep = e.detach() < e0
-        return (torch.exp(-(e.detach() - e0)) * keep * e).sum() / keep.sum().clamp_min(1), keep.any()
+        if state["m"] is not None:
+            keep &= torch.nn.functional.cosine_similarity(state["m"][None], pbar, dim=1).abs() < d_margin
+        if keep.any():
+            new = pbar[keep].mean(0)
+            state["m"] = new if state["m"] is None else 0.9 * state["m"] + 0.1 * new
+        loss = (torch.exp(e0 - e.detach()) * e * keep).sum() / keep.sum().clamp_min(1)
+        if fishers:
+            loss = loss + alpha * sum((fishers[n][0] * (q - fishers[n][1]) ** 2).sum()
+                                      for n, q in model.named_parameters() if n in fishers)
+        return loss, keep.any()
 
     return f
 
@@ -177,50 +227,54 @@ def adapt(model, inputs: list[Tensor], objective: Objective, *, lr: float, steps
 
 
 def adapt_online(model, inputs: list[Tensor], objective: Objective, *, chunk: int, lr: float,
-                 predict: Callable[[list[Tensor]], list], quiet: bool | None = None) -> tuple[list, AdaptLog]:
-    """Online TTL: for each chunk of the stream, predict with the current model, then adapt on the
-    chunk's inputs (constant lr; the objective sees the current model, so easy inputs drop out)."""
+                 predict: Callable[[list[Tensor]], list], grad_clip: float = 1.0,
+                 quiet: bool | None = None) -> tuple[list, AdaptLog]:
+    """Online TTL (the official `forward_for_online`): for each chunk of the stream, answer it with the current
+    model (`predict(chunk)`, whose outputs are collected), then adapt on the chunk's inputs with a *fresh* AdamW at
+    constant lr (the official code builds a new trainer, hence a new optimiser, per chunk); the objective sees the
+    current model, so inputs it has learned drop out."""
     predictions, total = [], AdaptLog()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     for start in progress(range(0, len(inputs), chunk), quiet=quiet, desc="online"):
         part = inputs[start:start + chunk]
         model.eval()
         predictions += predict(part)
-        model.train()
-        for x in part:
-            loss, selected = objective(model, x)
-            total.selected.append(bool(selected))
-            if selected:
-                loss.backward()
-                total.backward_passes += 1
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                total.losses.append(loss.item())
-            else:
-                total.losses.append(None)
+        log = adapt(model, part, objective, lr=lr, schedule="constant", grad_clip=grad_clip, quiet=True)
+        total.losses += log.losses
+        total.selected += log.selected
+        total.backward_passes += log.backward_passes
     model.eval()
     return predictions, total
+
+
+def pool_scores(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Scores of a stream answered in parts [(n_i, answer_scores of part i)]: accuracy and ROUGE-L averaged
+    with weights n_i, output PPL as exp of the n_i-weighted mean log PPL (every answer has the same length, so
+    this equals scoring all answers at once)."""
+    n = sum(k for k, _ in parts)
+    out = {key: sum(k * s[key] for k, s in parts) / n for key in ("acc", "rougeL")}
+    out["out_ppl"] = math.exp(sum(k * math.log(s["out_ppl"]) for k, s in parts) / n)
+    return out
 
 
 # ------------------------------------------------------------------ the toy of the notebook
 
 CONTROLS = {"no_sel": "TLM and online TLM adapt on every input with weight 1 (TLM without the SEL score)",
-            "no_adapt": "TLM and online TLM run at learning rate 0, i.e. they are the base model"}
+            "no_adapt": "TLM and online TLM run at learning rate 0, i.e. they are the base model",
+            "entropy_as_ppl": "Tent and EATA minimise the input perplexity (TLM w/o SEL's loss) in their own loops"}
 
 
 @dataclass(frozen=True)
 class Config:
-    """Every size and knob of the toy: domains, base model and its source-domain pre-training, test streams,
-    LoRA (r = 8, α = 16, on every linear layer: q/v alone cannot move this 2-layer model's word transitions),
-    SEL (log P0 from `select_frac`, λ), the baselines, online TLM's chunk, and the control."""
+    """Every size and knob of the toy: domains (with the retention domain in pre-training), base model and its
+    pre-training, test streams, LoRA (r = 8, α = 16, on every linear layer: q/v alone cannot move this 2-layer
+    model's word transitions), SEL (log P0 from `select_frac`, λ), the baselines, online TLM's chunk, the control."""
 
-    domains: MarkovDomains = field(default_factory=MarkovDomains)
+    domains: MarkovDomains = field(default_factory=RetentionDomains)
     base: TinyLM = TinyLM(d_model=64, n_layers=2, n_heads=4, max_len=32, steps=500, batch_size=64, lr=3e-3)
-    n_stream: int = 300  # unlabeled target inputs: what test-time learning sees
+    n_stream: int = 250  # the target test stream: its inputs are all test-time learning sees; answers only score
     n_held: int = 200  # held-out target questions with answers
-    n_source: int = 200  # source questions (forgetting)
+    n_retain: int = 200  # retention-domain questions (forgetting, Fig. 2)
+    n_fisher: int = 64  # source questions for EATA's Fisher (in-distribution data, pseudo-labels)
     data_seed: int = 3000  # the test streams' generator is seeded data_seed + seed
     lora_r: int = 8
     lora_alpha: int = 16
@@ -228,16 +282,17 @@ class Config:
     select_frac: float = 0.9  # log P0: the base-CE quantile above which this share of the stream lies
     lamb: float = 0.1
     lr: float = 1e-3
-    half_quantile: float = 0.5  # "TLM, half selected": log P0 at this quantile (Fig. 3's P0 sweep)
-    eata_frac: float = 0.4  # EATA's E0 = eata_frac · ln V
+    eata_frac: float = 0.4  # EATA's E0 = eata_frac · ln V (EATA's 0.4 · ln C)
+    eata_margin: float = 0.4  # EATA's redundancy margin ε on |cos(p̄, m)| (EATA: 0.4 on CIFAR-10, 0.05 on ImageNet)
+    eata_alpha: float = 2000.0  # EATA's Fisher weight β (official default)
     full_lr_div: int = 10  # "TLM, full parameters": every weight, at lr / full_lr_div
     probe_every: int = 50  # Obs. 1: TLM's input and output perplexity every this many inputs
-    chunk: int = 8  # online TLM
-    control: str = ""  # "no_sel": TLM weights every input 1; "no_adapt": TLM at lr 0 (see CONTROLS)
+    chunk: int = 8  # online TLM (the official online_ttl.yaml's streaming_batch_size)
+    control: str = ""  # a name in CONTROLS
 
     @classmethod
     def for_scale(cls, scale: str, *, select_frac: float = 0.9, lr: float = 1e-3, control: str = "") -> Config:
-        """Smoke: 300 test inputs, 500 pre-training steps; full: 1,000 and 1,500. The notebook's knobs and a
+        """Smoke: 250 test inputs, 500 pre-training steps; full: 1,000 and 1,500. The notebook's knobs and a
         control pass through."""
         if control and control not in CONTROLS:
             raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
@@ -254,6 +309,15 @@ class Config:
 
 
 @torch.no_grad()
+def perplexities(model, data: dict[str, Tensor], *, device) -> dict[str, float]:
+    """Obs. 1's two numbers: the reference answers' output PPL and the questions' own input PPL exp(mean_i CE_i)."""
+    x, y = data["input"].to(device), data["answer"].to(device)
+    logp = model(input_ids=torch.cat([x, y], 1)).logits[:, x.shape[1] - 1:-1].float().log_softmax(-1)
+    return {"out_ppl": (-logp.gather(-1, y[..., None]).mean()).exp().item(),
+            "in_ppl": sample_ce(model, x).mean().exp().item()}
+
+
+@torch.no_grad()
 def evaluate(model, data: dict[str, Tensor], *, generator: torch.Generator, device) -> dict[str, float]:
     """Greedy answers vs the references (`acc`, `rougeL`), the reference answers' output PPL (`answer_scores`),
     and the questions' own input PPL exp(mean_i CE_i) (`in_ppl`, Obs. 1)."""
@@ -263,14 +327,17 @@ def evaluate(model, data: dict[str, Tensor], *, generator: torch.Generator, devi
 
 @dataclass
 class Toy:
-    """The built experiment: the pre-trained base model, the unlabeled stream (inputs (1, T) each), held-out
-    target and source questions, the base model's CE on the stream and log P0 (`threshold`)."""
+    """The built experiment: the pre-trained base model, the target test stream (`inputs`, (1, T) each, are what
+    adaptation sees; `stream` adds their answers, used only to score the answers given), held-out target
+    questions, retention-domain questions, source batches for EATA's Fisher, the base CE on the stream, log P0."""
 
     cfg: Config
     run: TrainResult
     inputs: list[Tensor]
+    stream: dict[str, Tensor]
     held: dict[str, Tensor]
-    source: dict[str, Tensor]
+    retain: dict[str, Tensor]
+    fisher_inputs: list[Tensor]
     ce0: Tensor
     threshold: float
     generator: torch.Generator
@@ -285,26 +352,38 @@ class Toy:
         c = self.cfg
         return add_lora(copy.deepcopy(self.base), r=c.lora_r, alpha=c.lora_alpha, targets=c.lora_targets)
 
-    def score(self, model, log: AdaptLog | None = None) -> dict:
-        """{"target": held-out target scores, "source": source scores (forgetting), "backward", "selected"}."""
-        return {"target": evaluate(model, self.held, generator=self.generator, device=self.device),
-                "source": evaluate(model, self.source, generator=self.generator, device=self.device),
+    def answers(self, model, data: dict[str, Tensor]) -> dict[str, float]:
+        return answer_scores(model, data, generator=self.generator, device=self.device)
+
+    def score(self, model, log: AdaptLog | None = None, *, entropy: bool = False) -> dict:
+        """{"target": held-out target output and input PPL (`perplexities`; with `entropy`, also the mean entropy of
+        the greedy continuation: what Tent minimises), "stream": the stream's answers given by the final model (the
+        offline protocol: adapt, then answer; `answer_scores`), "retention": retention-domain answers (forgetting),
+        "backward", "selected"}."""
+        target = perplexities(model, self.held, device=self.device)
+        if entropy:
+            with torch.no_grad():
+                x = self.held["input"].to(self.device)
+                target["entropy"] = entropy_of_continuation(model, x, self.cfg.domains.answer).mean().item()
+        return {"target": target, "stream": self.answers(model, self.stream),
+                "retention": self.answers(model, self.retain),
                 "backward": log.backward_passes if log else 0, "selected": sum(log.selected) if log else 0}
 
 
 def build(cfg: Config, seed: int, device: str = "cpu") -> Toy:
-    """Pre-train (or load from the cache) the base model on the source domain, draw the test streams, and set
-    log P0 so that `cfg.select_frac` of the stream is selected by the base model's CE."""
+    """Pre-train (or load from the cache) the base model on the source and retention domains, draw the test
+    streams, and set log P0 so that `cfg.select_frac` of the stream is selected by the base model's CE."""
     dom = cfg.domains
     run = cfg.base.fit(dom, len(dom.tokenizer), seed=seed, device=device)
     g = torch.Generator().manual_seed(cfg.data_seed + seed)
-    stream = dom.sample(cfg.n_stream, "target", g)  # unlabeled: only stream["input"] is used
-    held, source = dom.sample(cfg.n_held, "target", g), dom.sample(cfg.n_source, "source", g)
+    stream = dom.sample(cfg.n_stream, "target", g)
+    held, retain = dom.sample(cfg.n_held, "target", g), dom.retained(cfg.n_retain, g)
+    fisher = dom.sample(cfg.n_fisher, "source", g)["input"].to(device).split(16)
     inputs = [stream["input"][i:i + 1].to(device) for i in range(len(stream["input"]))]
     with torch.no_grad():
         ce0 = sample_ce(run.model, torch.cat(inputs))
     threshold = torch.quantile(ce0, 1 - cfg.select_frac).item()  # log P0
-    return Toy(cfg, run, inputs, held, source, ce0, threshold, g, device)
+    return Toy(cfg, run, inputs, stream, held, retain, list(fisher), ce0, threshold, g, device)
 
 
 def base_ce(model) -> Callable[[Tensor], Tensor]:
@@ -318,40 +397,47 @@ def base_ce(model) -> Callable[[Tensor], Tensor]:
 
 
 def arms(toy: Toy) -> dict[str, tuple[Callable[[object], Objective], bool, float]]:
-    """The offline arms: name -> (objective of the adapted copy m, LoRA (else every weight), lr). A control
-    substitutes in TLM only: every input weighted 1 (`no_sel`) or lr 0 (`no_adapt`)."""
+    """The offline arms: name -> (objective of the adapted copy m, LoRA (else every weight), lr). Controls
+    substitute in TLM (`no_sel`, `no_adapt`) or in Tent and EATA (`entropy_as_ppl`) only."""
     cfg, th, base, k = toy.cfg, toy.threshold, toy.base, toy.cfg.domains.answer
-    e0 = lambda: cfg.eata_frac * torch.log(torch.tensor(float(len(cfg.domains.tokenizer)))).item()
-    half = lambda: torch.quantile(toy.ce0, cfg.half_quantile).item()
-    return {"TLM": (lambda m: tlm_objective(threshold=th, lamb=cfg.lamb, base_ce=base_ce(m), sel=cfg.sel), True,
-                    cfg.tlm_lr),
+    e0 = cfg.eata_frac * math.log(len(cfg.domains.tokenizer))
+    ppl = cfg.control == "entropy_as_ppl"
+    eata = lambda m: eata_objective(e0, k, d_margin=cfg.eata_margin, alpha=cfg.eata_alpha,
+                                    fishers=fisher_information(m, toy.fisher_inputs, k))
+    return {"TLM": (lambda m: tlm_objective(threshold=th, lamb=cfg.lamb, base_ce=base_ce(m), sel=cfg.sel),
+                    True, cfg.tlm_lr),
             "TLM w/o SEL": (lambda m: tlm_objective(sel=False), True, cfg.lr),
-            "TLM, half selected": (lambda m: tlm_objective(threshold=half(), lamb=cfg.lamb, base_ce=base_ce(m)),
-                                   True, cfg.lr),
-            "Tent": (lambda m: tent_objective(k), True, cfg.lr),
-            "EATA": (lambda m: eata_objective(e0(), k), True, cfg.lr),
+            "Tent": (lambda m: tlm_objective(sel=False) if ppl else tent_objective(k), True, cfg.lr),
+            "EATA": (lambda m: tlm_objective(sel=False) if ppl else eata(m), True, cfg.lr),
             "TLM, full parameters": (lambda m: tlm_objective(threshold=th, lamb=cfg.lamb,
                                                              base_ce=lambda x: sample_ce(base, x).detach()),
                                      False, cfg.lr / cfg.full_lr_div)}
 
 
+def run_online(toy: Toy, *, sel: bool, lr: float | None = None) -> dict:
+    """Online TLM (`adapt_online`, chunks of `cfg.chunk`, the current model's CE selecting) on a LoRA copy, scored
+    as the paper scores it: on the stream's own answers, each chunk answered before the model trains on it
+    (`"stream"`, pooled over the chunks); `"target"` and `"retention"` are the final model's."""
+    cfg, m = toy.cfg, toy.lora_copy()
+    answers = iter(toy.stream["answer"].split(cfg.chunk))
+    predict = lambda part: [(len(part), toy.answers(m, {"input": torch.cat(part), "answer": next(answers)}))]
+    parts, log = adapt_online(m, toy.inputs, tlm_objective(threshold=toy.threshold, lamb=cfg.lamb, sel=sel),
+                              chunk=cfg.chunk, lr=cfg.lr if lr is None else lr, predict=predict)
+    return {**toy.score(m, log), "stream": pool_scores(parts)}
+
+
 def run_arms(toy: Toy) -> tuple[dict[str, dict], list[dict]]:
     """Adapt a fresh copy of the base model per arm on the unlabeled stream — offline (`adapt`, one epoch) for
-    `arms`, then online TLM (`adapt_online`, chunks of `cfg.chunk`, the current model's CE) — and score each
-    (`Toy.score`). Returns {arm: scores} and TLM's Obs. 1 checkpoints ({"step", "out_ppl", "in_ppl"})."""
+    `arms`, then online TLM with and without SEL (`run_online`) — and score each (`Toy.score`). Returns {arm:
+    scores} and TLM's Obs. 1 checkpoints ({"step", "out_ppl", "in_ppl"} on the held-out target questions)."""
     cfg, results, curve = toy.cfg, {}, []
-    ppl = lambda m: {k: v for k, v in evaluate(m, toy.held, generator=toy.generator, device=toy.device).items()
-                     if k in ("out_ppl", "in_ppl")}  # Obs. 1's probe on the held-out target questions
     for name, (objective, lora, lr) in arms(toy).items():
         m = toy.lora_copy() if lora else copy.deepcopy(toy.base)
-        probe = (lambda m=m: ppl(m)) if name == "TLM" else None
+        probe = (lambda m=m: perplexities(m, toy.held, device=toy.device)) if name == "TLM" else None
         log = adapt(m, toy.inputs, objective(m), lr=lr, probe=probe, every=cfg.probe_every if probe else 0)
         if name == "TLM":
             curve = log.checkpoints
-        results[name] = toy.score(m, log)
-    m = toy.lora_copy()
-    # online TLM is scored after the stream, like the offline arms: its per-chunk predictions are not used
-    _, log = adapt_online(m, toy.inputs, tlm_objective(threshold=toy.threshold, lamb=cfg.lamb, sel=cfg.sel),
-                          chunk=cfg.chunk, lr=cfg.tlm_lr, predict=lambda part: [None] * len(part))
-    results["online TLM"] = toy.score(m, log)
+        results[name] = toy.score(m, log, entropy=name in ("Tent", "EATA"))
+    results["online TLM"] = run_online(toy, sel=cfg.sel, lr=cfg.tlm_lr)
+    results["online TLM w/o SEL"] = run_online(toy, sel=False)
     return results, curve

@@ -120,3 +120,36 @@ def rouge_l(pred: list, ref: list) -> float:
         return 0.0
     p, r = lcs / len(pred), lcs / len(ref)
     return 2 * p * r / (p + r)
+
+
+@dataclass(frozen=True)
+class RetentionDomains(MarkovDomains):
+    """`MarkovDomains` whose pre-training also covers an unrelated *retention* domain (the role GSM8K plays for
+    TLM's forgetting figure, Fig. 2): its own chain π_R (an independent permutation, its own start distribution)
+    behind its own marker, `<bos> A w1 … w16 A -> π_R(w16) …`. The target shift does not touch it, so what
+    test-time learning on the target costs on it is forgetting, not a conflict. Source and target are exactly
+    `MarkovDomains`'."""
+
+    retain_frac: float = 0.25  # share of each pre-training batch given to the retention domain
+
+    @cached_property
+    def chains(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """`MarkovDomains.chains` plus "retain": (π_R, start distribution), from its own generator."""
+        g = torch.Generator().manual_seed(self.seed + 1)
+        retain = (torch.randperm(self.n_words, generator=g), torch.softmax(torch.randn(self.n_words, generator=g), 0))
+        return {**MarkovDomains.chains.func(self), "retain": retain}
+
+    def retained(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Retention questions: `sample(n, "retain")` with the marker A in place of Q."""
+        s = self.sample(n, "retain", generator)
+        s["input"][:, 1] = self.tokenizer.convert_tokens_to_ids("A")
+        return s
+
+    def batch(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Pre-training batch: `retain_frac` of it retention questions, the rest source questions (rows shuffled
+        by the generator), whole question + answer, LM loss on every token."""
+        k = round(n * self.retain_frac)
+        s, r = self.sample(n - k, "source", generator), self.retained(k, generator)
+        ids = torch.cat([torch.cat([s["input"], s["answer"]], 1), torch.cat([r["input"], r["answer"]], 1)])
+        ids = ids[torch.randperm(n, generator=generator)]
+        return {"input_ids": ids, "labels": ids.clone()}

@@ -110,6 +110,96 @@ def test_online_predicts_each_chunk_before_training_on_it():
     assert preds[0] == pytest.approx(T.sample_ce(T.add_lora(model()), inputs[0]).item())  # before any update
 
 
+def test_online_uses_a_fresh_optimizer_per_chunk_as_the_official_online_mode():
+    """Reference: a hand-written loop, a new AdamW for each chunk (the official code builds a new trainer per
+    chunk); one AdamW kept across chunks (the old behaviour) ends elsewhere."""
+    inputs = [torch.randint(V, (1, 8), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    torch.manual_seed(1)
+    m = T.add_lora(model())
+    ref = copy.deepcopy(m)
+    T.adapt_online(m, inputs, T.tlm_objective(sel=False), chunk=3, lr=1e-2, predict=lambda part: [])
+    params = [p for p in ref.parameters() if p.requires_grad]
+    for start in (0, 3):
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+        for x in inputs[start:start + 3]:
+            ref(input_ids=x, labels=x).loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad()
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_pool_scores_equals_scoring_the_whole_stream_at_once():
+    from lab.data.domains import MarkovDomains, answer_scores
+
+    D = MarkovDomains()
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=len(D.tokenizer), d_model=16, n_layers=1, n_heads=2, max_len=32).eval()
+    data = D.sample(10, "target", torch.Generator().manual_seed(0))
+    g = torch.Generator()
+    whole = answer_scores(m, data, generator=g, device="cpu")
+    parts = [(len(x), answer_scores(m, {"input": x, "answer": y}, generator=g, device="cpu"))
+             for x, y in zip(data["input"].split(4), data["answer"].split(4))]  # 4, 4, 2
+    assert T.pool_scores(parts) == pytest.approx(whole, rel=1e-5)
+
+
+def test_eata_filters_weights_and_regularises_as_the_official_code():
+    m = T.add_lora(model())
+    x1, x2 = (torch.randint(V, (1, 6), generator=torch.Generator().manual_seed(i)) for i in (0, 1))
+    with torch.no_grad():
+        tokens, logp = T.continuation(m, x1, 3)
+        p = logp.exp()
+        e1 = -(p * logp).sum(-1).mean().item()
+        p1 = p.mean(1)[0]
+        p2 = T.continuation(m, x2, 3)[1].exp().mean(1)[0]
+    e0 = e1 + 0.5  # x1 is reliable
+    f = T.eata_objective(e0, 3, d_margin=1.01)
+    loss, kept = f(m, x1)  # no moving average yet: kept; loss = exp(E0 - E)·E
+    assert kept and loss.item() == pytest.approx(math.exp(0.5) * e1, rel=1e-4)
+    cos = torch.nn.functional.cosine_similarity(p1, p2, dim=0).abs().item()
+    strict = T.eata_objective(e0 + 10, 3, d_margin=cos - 1e-3)
+    assert strict(m, x1)[1] and not strict(m, x2)[1]  # x2 redundant with the average (= p1): skipped
+    loose = T.eata_objective(e0 + 10, 3, d_margin=cos + 1e-3)
+    assert loose(m, x1)[1] and loose(m, x2)[1]
+    assert not T.eata_objective(e1 - 1e-3, 3)(m, x1)[1]  # unreliable (E >= E0): skipped
+    # the Fisher regulariser: alpha * sum F (theta - theta0)^2, by hand after moving one parameter
+    fishers = T.fisher_information(m, [x1, x2], 3)
+    name, q = next((n, q) for n, q in m.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        q.add_(0.1)
+    reg = T.eata_objective(-1.0, 3, fishers=fishers, alpha=7.0)(m, x1)[0]  # nothing kept: the regulariser alone
+    want = 7.0 * sum((fishers[n][0] * (r - fishers[n][1]) ** 2).sum() for n, r in m.named_parameters() if n in fishers)
+    assert reg.item() == pytest.approx(want.item(), rel=1e-5) and reg.item() > 0
+
+
+def test_fisher_information_is_the_mean_squared_gradient_over_batches():
+    m = T.add_lora(model())
+    with torch.no_grad():  # B = 0 at init leaves A without gradient; give B a value so both are checked
+        for n, q in m.named_parameters():
+            if "lora_B" in n:
+                q.normal_(0, 0.1)
+    batches = [torch.randint(V, (2, 6), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    got = T.fisher_information(m, batches, 2)
+    params = {n: q for n, q in m.named_parameters() if q.requires_grad}
+    want = {n: torch.zeros_like(q) for n, q in params.items()}
+    for x in batches:  # naive: pseudo-labels = greedy continuation, CE over (B, k), grad squared
+        with torch.no_grad():
+            seq = x
+            for _ in range(2):
+                seq = torch.cat([seq, m(input_ids=seq).logits[:, -1:].argmax(-1)], 1)
+        logits = m(input_ids=seq).logits[:, 5:7]
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V), seq[:, 6:].reshape(-1))
+        m.zero_grad()
+        ce.backward()
+        for n, q in params.items():
+            want[n] += q.grad ** 2 / len(batches)
+    for n in params:
+        torch.testing.assert_close(got[n][0], want[n], rtol=1e-4, atol=1e-10)
+        assert torch.equal(got[n][1], params[n].detach())
+    assert any(got[n][0].abs().sum() > 0 for n in params if "lora_A" in n)
+
+
 def test_the_notebook_controls_substitutions():
     """03_tlm's controls: `no_adapt` (lr 0) leaves the model the base model; `no_sel` makes online TLM
     learn from every input, where SEL skips the ones it has learned."""
@@ -137,17 +227,19 @@ def test_the_notebook_controls_substitutions():
 def small(**kw):
     """A toy small enough for a unit test (20 stream inputs: log P0 at the 0.1 quantile selects 18)."""
     return T.Config(base=replace(T.Config.base, d_model=16, n_layers=1, n_heads=2, steps=20, batch_size=8),
-                    n_stream=20, n_held=6, n_source=6, probe_every=4, chunk=4, **kw)
+                    n_stream=20, n_held=6, n_retain=6, n_fisher=16, probe_every=4, chunk=4, **kw)
 
 
 def test_config_sizes_knobs_and_controls():
     from pathlib import Path
 
     from lab.cli import declared_controls
+    from lab.data.domains import RetentionDomains
 
     smoke, full = T.Config.for_scale("smoke"), T.Config.for_scale("full")
-    assert (smoke.n_stream, smoke.base.steps) == (300, 500) and (full.n_stream, full.base.steps) == (1000, 1500)
+    assert (smoke.n_stream, smoke.base.steps) == (250, 500) and (full.n_stream, full.base.steps) == (1000, 1500)
     assert replace(full.base, steps=500) == smoke.base  # full changes only the pre-training steps
+    assert smoke.domains == RetentionDomains()
     cfg = T.Config.for_scale("smoke", select_frac=0.5, lr=2e-3)
     assert (cfg.select_frac, cfg.lr, cfg.tlm_lr, cfg.sel) == (0.5, 2e-3, 2e-3, True)
     assert T.Config.for_scale("smoke", control="no_sel").sel is False
@@ -159,16 +251,17 @@ def test_config_sizes_knobs_and_controls():
     assert set(declared_controls(nb)) == set(T.CONTROLS)
 
 
-def test_base_keeps_the_cache_key_of_the_hand_built_pretraining():
+def test_base_keeps_the_cache_key_of_a_hand_built_pretraining():
+    from lab.data.domains import RetentionDomains
     from lab.models import TrainConfig
     from lab.models.train import cache_key
 
     for scale, steps in (("smoke", 500), ("full", 1500)):
         cfg = T.Config.for_scale(scale)
-        dom, V = cfg.domains, len(cfg.domains.tokenizer)
+        V = len(cfg.domains.tokenizer)
         ref = tiny_llama(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_len=32)
-        assert cache_key(cfg.base.build(V), dom, cfg.base.train_config(3)) == \
-            cache_key(ref, dom, TrainConfig(steps=steps, batch_size=64, lr=3e-3, seed=3))
+        assert cache_key(cfg.base.build(V), cfg.domains, cfg.base.train_config(3)) == \
+            cache_key(ref, RetentionDomains(), TrainConfig(steps=steps, batch_size=64, lr=3e-3, seed=3))
 
 
 def test_evaluate_adds_the_questions_own_perplexity():
@@ -189,6 +282,8 @@ def test_evaluate_adds_the_questions_own_perplexity():
                     for t in range(1, len(x))]
             ces.append(-sum(logp) / len(logp))
     assert got["in_ppl"] == pytest.approx(math.exp(sum(ces) / len(ces)), rel=1e-5)
+    cheap = T.perplexities(m, data, device="cpu")  # Obs. 1's probe: the same two numbers, no generation
+    assert cheap == pytest.approx({k: got[k] for k in ("out_ppl", "in_ppl")}, rel=1e-5)
 
 
 def test_build_sets_log_p0_from_select_frac_on_a_stream_of_questions_only():
@@ -196,24 +291,53 @@ def test_build_sets_log_p0_from_select_frac_on_a_stream_of_questions_only():
     toy = T.build(cfg, seed=0)
     assert len(toy.inputs) == cfg.n_stream and all(x.shape == (1, cfg.domains.passage + 3) for x in toy.inputs)
     assert cfg.domains.leaks(toy.inputs) == 0 and len(toy.held["answer"]) == cfg.n_held
+    assert torch.equal(torch.cat(toy.inputs), toy.stream["input"]) and len(toy.stream["answer"]) == cfg.n_stream
+    assert int((toy.retain["input"][:, 1] == cfg.domains.tokenizer.convert_tokens_to_ids("A")).sum()) == cfg.n_retain
     with torch.no_grad():
         assert toy.ce0.tolist() == pytest.approx([T.sample_ce(toy.base, x).item() for x in toy.inputs], rel=1e-5)
     assert int((toy.ce0 > toy.threshold).sum()) == 18  # select_frac = 0.9 of 20
-    base = toy.score(toy.base)
-    assert base["backward"] == base["selected"] == 0 and set(base) == {"target", "source", "backward", "selected"}
+    base = toy.score(toy.base, entropy=True)
+    assert base["backward"] == base["selected"] == 0 and set(base) == {"target", "stream", "retention", "backward",
+                                                                       "selected"}
+    assert set(base["target"]) == {"out_ppl", "in_ppl", "entropy"} and set(toy.score(toy.base)["target"]) == {
+        "out_ppl", "in_ppl"}
 
 
-def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_in_tlm_only():
-    from dataclasses import replace
+def test_online_tlm_is_scored_on_its_own_stream_answers_each_given_before_training_on_it():
+    """run_online's "stream" scores: chunk by chunk, the answers of the model as it was before that chunk's
+    update (a naive loop: answer the chunk, then adapt on it with a fresh optimiser), pooled; not the final
+    model's answers to the whole stream."""
+    from lab.data.domains import answer_scores
 
+    cfg = small()
+    toy = T.build(cfg, seed=0)
+    torch.manual_seed(3)
+    got = T.run_online(toy, sel=False, lr=3e-2)
+    torch.manual_seed(3)
+    m = toy.lora_copy()
+    hits, nll, n = 0.0, 0.0, 0
+    for start in range(0, cfg.n_stream, cfg.chunk):
+        x, y = toy.stream["input"][start:start + cfg.chunk], toy.stream["answer"][start:start + cfg.chunk]
+        s = answer_scores(m, {"input": x, "answer": y}, generator=torch.Generator(), device="cpu")
+        hits, nll, n = hits + s["acc"] * len(x), nll + math.log(s["out_ppl"]) * len(x), n + len(x)
+        T.adapt(m, [x[i:i + 1] for i in range(len(x))], T.tlm_objective(sel=False), lr=3e-2, schedule="constant")
+    assert got["stream"]["acc"] == pytest.approx(hits / n) and got["stream"]["out_ppl"] == pytest.approx(
+        math.exp(nll / n), rel=1e-5)
+    final = answer_scores(m, toy.stream, generator=torch.Generator(), device="cpu")
+    assert got["stream"]["out_ppl"] != pytest.approx(final["out_ppl"], rel=1e-3)  # not the final model's answers
+    assert got["backward"] == cfg.n_stream
+
+
+def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_where_they_say():
     cfg = small()
     toy = T.build(cfg, seed=0)
     torch.manual_seed(7)
     results, curve = T.run_arms(toy)
-    assert list(results) == ["TLM", "TLM w/o SEL", "TLM, half selected", "Tent", "EATA", "TLM, full parameters",
-                             "online TLM"]
+    assert list(results) == ["TLM", "TLM w/o SEL", "Tent", "EATA", "TLM, full parameters", "online TLM",
+                             "online TLM w/o SEL"]
     assert results["TLM"]["selected"] == results["TLM"]["backward"] == 18  # selected by the base model's CE
-    assert results["TLM, half selected"]["selected"] == 10 and results["TLM w/o SEL"]["backward"] == 20
+    assert results["TLM w/o SEL"]["backward"] == results["Tent"]["backward"] == 20
+    assert results["online TLM w/o SEL"]["backward"] == 20
     assert [c["step"] for c in curve] == [0, 4, 8, 12, 16, 20] and set(curve[0]) == {"step", "out_ppl", "in_ppl"}
     torch.manual_seed(7)  # TLM by hand: a LoRA copy, offline TLM with the base model's CE selecting
     m = T.add_lora(copy.deepcopy(toy.base), targets=cfg.lora_targets)
@@ -224,5 +348,8 @@ def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_in_tlm_onl
     torch.manual_seed(7)
     frozen, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="no_adapt")))
     assert frozen["TLM"]["target"] == toy.score(toy.base)["target"] and frozen["Tent"] == results["Tent"]
+    assert frozen["online TLM"]["stream"] == pytest.approx(toy.score(toy.base)["stream"])
     every, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="no_sel")))
     assert every["TLM"]["backward"] == every["online TLM"]["backward"] == cfg.n_stream
+    ppl, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="entropy_as_ppl")))
+    assert ppl["Tent"]["backward"] == ppl["EATA"]["backward"] == cfg.n_stream

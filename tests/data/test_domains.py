@@ -78,3 +78,35 @@ def test_leaks_count_answer_material_in_a_stream_of_questions():
     eos_in_place = torch.cat([s["input"][:1, :-1], eos], 1)  # an <eos>, the right length: 1
     assert D.leaks([*clean, with_answer, eos_in_place]) == 2 + 1
     assert D.leaks([s["input"][:1, :-1]]) == 1  # a cut question: the wrong length only
+
+
+def test_retention_domains_add_an_unrelated_chain_and_keep_source_and_target():
+    from lab.data.domains import RetentionDomains
+
+    R = RetentionDomains()
+    for d in ("source", "target"):  # exactly MarkovDomains' chains
+        assert all(torch.equal(a, b) for a, b in zip(R.chains[d], D.chains[d]))
+    pi_r, start_r = R.chains["retain"]
+    assert sorted(pi_r.tolist()) == list(range(R.n_words)) and start_r.sum().item() == pytest.approx(1.0)
+    assert (pi_r == R.chains["source"][0]).float().mean() < 0.2  # not the source chain
+    s = R.retained(30, torch.Generator().manual_seed(5))
+    a_id = R.tokenizer.convert_tokens_to_ids("A")
+    assert (s["input"][:, 1] == a_id).all() and (s["input"][:, -1] == a_id).all()
+    word = {int(i): w for w, i in zip(range(R.n_words), R.word_ids)}
+    for x, y in zip(s["input"], s["answer"]):  # answers follow pi_R from the passage's last word
+        prev = word[int(x[-2])]
+        for tok in y[:-1]:
+            assert word[int(tok)] == int(pi_r[prev])
+            prev = int(pi_r[prev])
+
+
+def test_retention_pretraining_batches_mix_source_and_retention_questions():
+    from lab.data.domains import RetentionDomains
+
+    R = RetentionDomains()
+    b = R.batch(64, torch.Generator().manual_seed(6))
+    assert torch.equal(b["input_ids"], b["labels"]) and b["input_ids"].shape == (64, R.passage + R.answer + 4)
+    markers = b["input_ids"][:, 1]
+    assert int((markers == R.tokenizer.convert_tokens_to_ids("A")).sum()) == 16  # retain_frac 0.25 of 64
+    assert int((markers == R.tokenizer.convert_tokens_to_ids("Q")).sum()) == 48
+    assert not (markers[:16] == R.tokenizer.convert_tokens_to_ids("A")).all()  # rows shuffled
