@@ -1,12 +1,15 @@
 """Exact enumeration of a tiny LM's response space: every response of length L over V tokens is
 scored, so distributions, KLs and win rates over responses are computed exactly (no sampling).
-Shared by the preference toys (EXPO's, HPS's and InfAlign's tiny transformers). The two solvers,
-`fit_exact` (SFT onto a target distribution) and `train_rlhf` (the exact KL-regularized objective),
-are gradient loops of `lab.align.train.optimize`."""
+Shared by the preference toys (EXPO's, HPS's and InfAlign's tiny transformers). A response set is scored
+by `seq_logprobs` (any responses, one forward each) or, when it is all of V^L, by `all_logprobs` (one forward
+over the V^(L−1) prefixes, the last position scoring every final token; `avoid_prob` sums a prefix tree the
+same way). The two solvers, SFT onto a target distribution (`fit_exact`, `fit_all`) and the exact
+KL-regularized objective (`train_rlhf`, `train_rlhf_all`), are gradient loops of `lab.align.train.optimize`."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -30,30 +33,56 @@ def seq_logprobs(model, prompts: Tensor, seqs: Tensor, V: int) -> Tensor:
     return logp.gather(-1, x[:, 1:, None])[..., 0].sum(-1).reshape(C, S)
 
 
+def _prefix_forward(model, prompts: Tensor, tokens: Tensor, L: int, V: int) -> tuple[Tensor, Tensor]:
+    """One forward over every prompt x (C,) × prefix of length L−1 over `tokens` (in `all_sequences` order):
+    log π(prefix | x) (C·S,) and the next-token log-distribution after the prefix (C·S, V), rows prompt-major.
+    Same next-token softmax over the V response tokens as `seq_logprobs`."""
+    prefixes = tokens[all_sequences(len(tokens), L - 1)] if L > 1 else torch.zeros(1, 0, dtype=torch.long)  # (S, L−1)
+    C, S = len(prompts), len(prefixes)
+    x = torch.cat([prompts[:, None, None].expand(C, S, 1), prefixes.expand(C, S, L - 1)], -1).reshape(C * S, L)
+    logp = model(input_ids=x).logits[..., :V].log_softmax(-1)  # (C·S, L, V): position t predicts token t+1
+    return logp[:, :-1].gather(-1, x[:, 1:, None])[..., 0].sum(-1), logp[:, -1]  # log π(prefix | x), last step
+
+
+def all_logprobs(model, prompts: Tensor, V: int, L: int) -> Tensor:
+    """`seq_logprobs` over every response of `all_sequences(V, L)`: (C, V^L), from one forward over the V^(L−1)
+    prefixes instead of V^L responses (the last position's distribution scores all V final tokens; lexicographic
+    order, the last token running fastest). Equal up to float rounding, not bit for bit."""
+    prefix, last = _prefix_forward(model, prompts, torch.arange(V), L, V)
+    return (prefix[:, None] + last).reshape(len(prompts), -1)
+
+
 def avoid_prob(model, prompts: Tensor, V: int, L: int, token: int) -> Tensor:
     """P(a response of length L contains no `token`), exactly, per prompt token (C,): one forward over the
     (V−1)^(L−1) token-free prefixes instead of all V^L responses; the last position's softmax sums the
     allowed final tokens. Same next-token softmax over the V response tokens as `seq_logprobs`."""
     keep = torch.tensor([v for v in range(V) if v != token])
-    prefixes = keep[all_sequences(V - 1, L - 1)] if L > 1 else torch.zeros(1, 0, dtype=torch.long)  # (S, L−1)
-    C, S = len(prompts), len(prefixes)
-    x = torch.cat([prompts[:, None, None].expand(C, S, 1), prefixes.expand(C, S, L - 1)], -1).reshape(C * S, L)
-    logp = model(input_ids=x).logits[..., :V].log_softmax(-1)  # (C·S, L, V): position t predicts token t+1
-    prefix = logp[:, :-1].gather(-1, x[:, 1:, None])[..., 0].sum(-1)  # log π(prefix | x)
-    last = logp[:, -1].index_select(-1, keep).logsumexp(-1)  # log π(last token ≠ `token` | x, prefix)
-    return (prefix + last).reshape(C, S).logsumexp(-1).exp()
+    prefix, last = _prefix_forward(model, prompts, keep, L, V)
+    last = last.index_select(-1, keep).logsumexp(-1)  # log π(last token ≠ `token` | x, prefix)
+    return (prefix + last).reshape(len(prompts), -1).logsumexp(-1).exp()
+
+
+def _sft(model, logprobs: Callable[[], Tensor], target_logp: Tensor, *, steps: int, lr: float,
+         quiet: bool | None) -> list[float]:
+    p = target_logp.exp()
+
+    def step_loss(_: int) -> Tensor:
+        return (p * (target_logp - logprobs())).sum(-1).mean()
+
+    return optimize(model.parameters(), step_loss, steps=steps, lr=lr, desc="exact SFT", quiet=quiet)
 
 
 def fit_exact(model, prompts: Tensor, seqs: Tensor, target_logp: Tensor, V: int, *, steps: int,
               lr: float, quiet: bool | None = None) -> list[float]:
     """SFT by enumeration: minimize KL(target ‖ π_model), averaged over prompts, with Adam; returns
     the KL before each step."""
-    p = target_logp.exp()
+    return _sft(model, lambda: seq_logprobs(model, prompts, seqs, V), target_logp, steps=steps, lr=lr, quiet=quiet)
 
-    def step_loss(_: int) -> Tensor:
-        return (p * (target_logp - seq_logprobs(model, prompts, seqs, V))).sum(-1).mean()
 
-    return optimize(model.parameters(), step_loss, steps=steps, lr=lr, desc="exact SFT", quiet=quiet)
+def fit_all(model, prompts: Tensor, target_logp: Tensor, V: int, L: int, *, steps: int, lr: float,
+            quiet: bool | None = None) -> list[float]:
+    """`fit_exact` over every response of `all_sequences(V, L)`, scored by `all_logprobs`."""
+    return _sft(model, lambda: all_logprobs(model, prompts, V, L), target_logp, steps=steps, lr=lr, quiet=quiet)
 
 
 def _tail_probs(p: Tensor, N: int, kind: str) -> Tensor:
@@ -82,6 +111,15 @@ def win_rate(logp: Tensor, ref_logp: Tensor, r: Tensor, N: int = 1, kind: str = 
     return torch.stack(out)
 
 
+def calibrate_exact(ref_logp: Tensor, r: Tensor) -> Tensor:
+    """The reward's quantile under the reference, C(x, y) = P_{y'~π_ref(·|x)}(r(y') < r(y)) + ½P(=), exactly over
+    the enumerated responses: (C, S)."""
+    p = ref_logp.double().exp()  # (C, S)
+    less = (r[:, None, :] < r[:, :, None]).double()  # (C, S_y, S_y')
+    equal = (r[:, None, :] == r[:, :, None]).double()
+    return ((less + 0.5 * equal) * p[:, None, :]).sum(-1)
+
+
 def tilt_logp(ref_logp: Tensor, R: Tensor, beta: float) -> Tensor:
     """The closed-form KL-regularized optimum log π ∝ log π_ref + R/β, per prompt: (C, S)."""
     return (ref_logp.double() + R / beta).log_softmax(-1)
@@ -98,15 +136,28 @@ def beta_for_kl(ref_logp: Tensor, R: Tensor, target: float) -> float:
     return math.exp((lo + hi) / 2)
 
 
-def train_rlhf(policy, prompts: Tensor, seqs: Tensor, ref_logp: Tensor, R: Tensor, beta: float, V: int, *,
-               steps: int, lr: float, quiet: bool | None = None) -> Tensor:
-    """Maximize the exact KL-regularized objective Σ_y π_θ(y)[R(y) − β(log π_θ(y) − log π_ref(y))],
-    averaged over prompts, with Adam. Returns log π_θ (C, S)."""
-
+def _rlhf(policy, logprobs: Callable[[], Tensor], ref_logp: Tensor, R: Tensor, beta: float, *, steps: int,
+          lr: float, quiet: bool | None) -> Tensor:
     def step_loss(_: int) -> Tensor:
-        logp = seq_logprobs(policy, prompts, seqs, V)
+        logp = logprobs()
         return -(logp.exp() * (R - beta * (logp - ref_logp))).sum(-1).mean()
 
     optimize(policy.parameters(), step_loss, steps=steps, lr=lr, desc="exact RLHF", quiet=quiet)
     with torch.no_grad():
-        return seq_logprobs(policy, prompts, seqs, V)
+        return logprobs()
+
+
+def train_rlhf(policy, prompts: Tensor, seqs: Tensor, ref_logp: Tensor, R: Tensor, beta: float, V: int, *,
+               steps: int, lr: float, quiet: bool | None = None) -> Tensor:
+    """Maximize the exact KL-regularized objective Σ_y π_θ(y)[R(y) − β(log π_θ(y) − log π_ref(y))],
+    averaged over prompts, with Adam. Returns log π_θ (C, S)."""
+    return _rlhf(policy, lambda: seq_logprobs(policy, prompts, seqs, V), ref_logp, R, beta, steps=steps, lr=lr,
+                 quiet=quiet)
+
+
+def train_rlhf_all(policy, prompts: Tensor, ref_logp: Tensor, R: Tensor, beta: float, V: int, L: int, *,
+                   steps: int, lr: float, quiet: bool | None = None) -> Tensor:
+    """`train_rlhf` over every response of `all_sequences(V, L)`, scored by `all_logprobs`. Returns log π_θ
+    (C, V^L)."""
+    return _rlhf(policy, lambda: all_logprobs(policy, prompts, V, L), ref_logp, R, beta, steps=steps, lr=lr,
+                 quiet=quiet)

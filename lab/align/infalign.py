@@ -18,19 +18,19 @@ and the optimal transformed reward is the fixed point R = R[q*] (BoN: R(w) = −
 WoN: −N² ∫_w^1 (1−v)^{N−1} (1−F(v))^{N−1} dv; N = 1 gives the identity). Everything is computed on a
 midpoint grid of M cells in float64 (∫_w^1 from the cell's midpoint: the exact derivative of the grid's win rate).
 
-Where calibration has work to do: prompts whose raw rewards have different scales, analytically
-(`heterogeneous`) and on a tiny transformer scored by exact enumeration (`lm_toy`, `lm_compare`), where CTRL's
-Ĉ from K base samples per prompt (`calibrate`, `calibration_sweep`) is set beside the exact C. The module is
-over the lab's ~300 lines because it holds both the analytical tool and the enumerated tiny transformer.
+This module holds CTRL's pieces (`calibrate`: Ĉ from K base samples per prompt, `transform`, the controls) and the
+analytical tool on one prompt (claims I1, I3, I4). Where calibration has work to do, prompts whose raw rewards have
+different scales (claims I2, I5, I6: the analytical tool over several prompts and a tiny transformer scored by
+exact enumeration), is its companion `lab.align.infalign_scales`, kept apart for the paper module's size.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -183,11 +183,15 @@ def fixed_point(beta: float | Tensor, N: int, kind: str = "bon", *, M: int = 400
 
 # ---------------------------------------------------------------------------- matched-KL frontiers
 
-def frontier(make_q: Callable[[float], Tensor], betas: Tensor, N: int, kind: str = "bon") -> tuple[Tensor, Tensor]:
-    """(KL, win rate) along a β grid for densities `make_q(β)`: two (len(betas),) tensors."""
-    qs = [make_q(float(b)) for b in betas]
+def kl_and_win(qs, N: int, kind: str = "bon") -> tuple[Tensor, Tensor]:
+    """(KL, T-win rate) of each density of `qs` (a list of (M,) or a (B, M) tensor): two (B,) tensors."""
     return (torch.tensor([kl_to_base(q) for q in qs], dtype=torch.float64),
             torch.tensor([win_rate(q, N, kind) for q in qs], dtype=torch.float64))
+
+
+def frontier(make_q: Callable[[float], Tensor], betas: Tensor, N: int, kind: str = "bon") -> tuple[Tensor, Tensor]:
+    """(KL, win rate) along a β grid for densities `make_q(β)`: two (len(betas),) tensors."""
+    return kl_and_win([make_q(float(b)) for b in betas], N, kind)
 
 
 def at_kl(kls: Tensor, wins: Tensor, target: float) -> float:
@@ -196,8 +200,6 @@ def at_kl(kls: Tensor, wins: Tensor, target: float) -> float:
     k, w = kls[order].numpy(), wins[order].numpy()
     if not k[0] <= target <= k[-1]:
         raise ValueError(f"KL {target} is outside the frontier's range [{k[0]:.3g}, {k[-1]:.3g}]; widen the β grid.")
-    import numpy as np
-
     return float(np.interp(target, k, w))
 
 
@@ -260,9 +262,7 @@ def matched_kl_table(cfg: Config, control: str = "") -> dict[tuple[str, float], 
 
 def optimum_frontier(N: int, kind: str, betas: Tensor, *, M: int = 2000, iters: int = 800) -> tuple[Tensor, Tensor]:
     """(KL, T-win rate) of the fixed-point optimum (`fixed_point`) along a β grid (all β iterated at once)."""
-    qs = fixed_point(betas, N, kind, M=M, iters=iters)
-    return (torch.tensor([kl_to_base(q) for q in qs], dtype=torch.float64),
-            torch.tensor([win_rate(q, N, kind) for q in qs], dtype=torch.float64))
+    return kl_and_win(fixed_point(betas, N, kind, M=M, iters=iters), N, kind)
 
 
 def optima(cfg: Config) -> dict[tuple[str, float], float]:
@@ -297,38 +297,6 @@ def frontier_curves(cfg: Config, u: Tensor) -> dict[str, dict[str, tuple[list[fl
     return curves
 
 
-def shared_beta(R: Tensor, u: Tensor, target: float) -> float:
-    """One β for all prompts (rows of R, (P, M)) with mean KL(q_β ‖ U[0, 1]) = target (bisection on log β)."""
-    lo, hi = -15.0, 15.0
-    for _ in range(80):
-        mid = (lo + hi) / 2
-        q = density(R, math.exp(mid), u)
-        lo, hi = (mid, hi) if float((q * q.clamp_min(1e-300).log()).mean(-1).mean()) > target else (lo, mid)
-    return math.exp((lo + hi) / 2)
-
-
-def heterogeneous(cfg: Config, control: str = "") -> dict[str, dict[str, float | list[float]]]:
-    """The analytical tool with several prompts whose raw rewards have different scales: under π_ref prompt i's
-    reward is σ_i·z, z ~ N(0, 1), i.e. r_i(u) = σ_i·Φ_N^{-1}(u) at its calibrated reward u. Raw RLHF tilts by r_i,
-    CTRL by the calibrated u (the same for every prompt) or by exp(t·u) rescaled to [0, 1]; one β, shared by the
-    prompts, matches the mean KL `cfg.lm_kl` (a derivation for this lab, not the paper's text). Under the `raw`
-    control the calibration is the raw reward min-max scaled over all prompts, under `identity` the transform is
-    the identity. Returns {reward: {"beta", "kl" (per prompt), "std", "bon" (BoN-`cfg.lm_N`, mean over prompts)}}."""
-    u = grid(cfg.M)
-    r = torch.tensor(cfg.het_sigmas, dtype=torch.float64)[:, None] * raw_gaussian(u)  # (P, M)
-    cal = (r - r.min()) / (r.max() - r.min()) if check_control(control) == "raw" else u.expand_as(r)
-    rewards = {"raw RLHF": r, "CTRL identity": cal,
-               f"CTRL exp({cfg.het_t:g}u)": rescaled(transform("bon", cfg.het_t, control))(cal)}
-    out = {}
-    for name, R in rewards.items():
-        beta = shared_beta(R, u, cfg.lm_kl)
-        qs = density(R, beta, u)
-        out[name] = {"beta": beta, "kl": [kl_to_base(q) for q in qs],
-                     "std": sum(win_rate(q) for q in qs) / len(qs),
-                     "bon": sum(win_rate(q, cfg.lm_N, "bon") for q in qs) / len(qs)}
-    return out
-
-
 # ------------------------------------------------------------------------------------ calibration
 
 def calibrate(base_scores: Tensor, score: Tensor) -> Tensor:
@@ -338,172 +306,3 @@ def calibrate(base_scores: Tensor, score: Tensor) -> Tensor:
     b = base_scores.reshape(base_scores.shape[0], *[1] * (score.ndim - 1), -1)  # (B, ..., K)
     s = score[..., None]
     return ((b < s).double().mean(-1) + 0.5 * (b == s).double().mean(-1))
-
-
-# ------------------------------------------ the tiny transformer, by exact enumeration (claim I5)
-
-def calibrate_exact(ref_logp: Tensor, r: Tensor) -> Tensor:
-    """C(x, y) = P_{y'~π_ref(·|x)}(r(y') < r(y)) + ½P(=), exact over the enumerated responses: (C, S)."""
-    p = ref_logp.double().exp()  # (C, S)
-    less = (r[:, None, :] < r[:, :, None]).double()  # (C, S_y, S_y')
-    equal = (r[:, None, :] == r[:, :, None]).double()
-    return ((less + 0.5 * equal) * p[:, None, :]).sum(-1)
-
-
-def calibration(ref_logp: Tensor, r: Tensor, control: str = "") -> Tensor:
-    """CTRL's calibrated reward (C, S): the exact per-prompt quantile `calibrate_exact`; under the `raw`
-    control the raw reward min-max scaled over all prompts (a global affine map: no per-prompt quantile)."""
-    if check_control(control) == "raw":
-        return (r - r.min()) / (r.max() - r.min())
-    return calibrate_exact(ref_logp, r)
-
-
-def rescaled(phi: Transform) -> Transform:
-    """Φ mapped onto [0, 1] over u ∈ [0, 1] (β then lives on a sane scale for every t)."""
-    lo, hi = phi(torch.tensor(0.0, dtype=torch.float64)), phi(torch.tensor(1.0, dtype=torch.float64))
-    return lambda u: (phi(u) - lo) / (hi - lo)
-
-
-def lm_logprobs(model, prompts: Tensor, V: int, L: int) -> Tensor:
-    """log π(y | x) for every prompt token x (C,) and every response y of `lab.align.exact.all_sequences(V, L)`:
-    (C, V^L), equal to `lab.align.exact.seq_logprobs` (same next-token softmax over the V response tokens) but
-    from one forward over the V^(L−1) prefixes: the last position's distribution scores all V final tokens
-    (the prefix trick of `lab.align.exact.avoid_prob`; about 3× faster here)."""
-    from lab.align.exact import all_sequences
-
-    prefixes = all_sequences(V, L - 1) if L > 1 else torch.zeros(1, 0, dtype=torch.long)  # (S', L−1)
-    C, S = len(prompts), len(prefixes)
-    x = torch.cat([prompts[:, None, None].expand(C, S, 1), prefixes.expand(C, S, L - 1)], -1).reshape(C * S, L)
-    logp = model(input_ids=x).logits[..., :V].log_softmax(-1)  # (C·S', L, V): position t predicts token t+1
-    prefix = logp[:, :-1].gather(-1, x[:, 1:, None])[..., 0].sum(-1)  # log π(prefix | x)
-    return (prefix[:, None] + logp[:, -1]).reshape(C, S * V)  # lexicographic order: the last token runs fastest
-
-
-def lm_fit(model, prompts: Tensor, target_logp: Tensor, cfg: Config, quiet: bool | None = None) -> list[float]:
-    """Exact SFT (`lab.align.exact.fit_exact`'s objective, KL(target ‖ π_θ) averaged over prompts, with Adam)
-    on `lm_logprobs`; returns the KL before each step."""
-    from lab.align.train import optimize
-
-    p = target_logp.exp()
-
-    def step_loss(_: int) -> Tensor:
-        return (p * (target_logp - lm_logprobs(model, prompts, cfg.V, cfg.L))).sum(-1).mean()
-
-    return optimize(model.parameters(), step_loss, steps=cfg.sft_steps, lr=cfg.lr, desc="exact SFT", quiet=quiet)
-
-
-def lm_rlhf(policy, prompts: Tensor, ref_logp: Tensor, R: Tensor, beta: float, cfg: Config,
-            quiet: bool | None = None) -> Tensor:
-    """The exact KL-regularized objective Σ_y π_θ(y)[R(y) − β(log π_θ(y) − log π_ref(y))], averaged over prompts,
-    maximized with Adam (`lab.align.exact.train_rlhf`'s objective on `lm_logprobs`). Returns log π_θ (C, S)."""
-    from lab.align.train import optimize
-
-    def step_loss(_: int) -> Tensor:
-        logp = lm_logprobs(policy, prompts, cfg.V, cfg.L)
-        return -(logp.exp() * (R - beta * (logp - ref_logp))).sum(-1).mean()
-
-    optimize(policy.parameters(), step_loss, steps=cfg.rl_steps, lr=cfg.lr, desc="exact RLHF", quiet=quiet)
-    with torch.no_grad():
-        return lm_logprobs(policy, prompts, cfg.V, cfg.L)
-
-
-@dataclass
-class LMToy:
-    reference: torch.nn.Module
-    prompts: Tensor  # (C,)
-    seqs: Tensor  # (S, L)
-    ref_logp: Tensor  # (C, S)
-    r: Tensor  # (C, S) raw reward: per-prompt scale × a linear token-position score
-
-
-def lm_toy(cfg: Config, seed: int) -> LMToy:
-    """π_ref by exact SFT of a tiny Llama onto random per-prompt targets; a linear reward whose
-    scale differs by prompt (so one β over- or under-optimizes raw rewards per prompt)."""
-    from lab.align.exact import all_sequences
-    from lab.models import tiny_llama
-
-    C = len(cfg.sigmas)
-    seqs, prompts = all_sequences(cfg.V, cfg.L), torch.arange(cfg.V, cfg.V + C)
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed)
-    model = tiny_llama(vocab_size=cfg.V + C, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=cfg.L + 1)
-    lm_fit(model, prompts, torch.randn(C, len(seqs), generator=g).log_softmax(-1), cfg)
-    with torch.no_grad():
-        ref = lm_logprobs(model, prompts, cfg.V, cfg.L)
-    W = torch.randn(cfg.V, cfg.L, generator=g)  # score of token v at position t
-    r = torch.tensor(cfg.sigmas)[:, None] * W[seqs, torch.arange(cfg.L)].sum(-1)[None, :]
-    return LMToy(model.eval(), prompts, seqs, ref, r.double())
-
-
-def lm_rewards(toy: LMToy, cfg: Config, control: str = "") -> dict[str, Tensor]:
-    """The rewards compared on the tiny transformer (C, S): raw RLHF's, CTRL's calibrated identity and
-    CTRL's exp(t·u) for each t of `cfg.lm_ts`, rescaled to [0, 1] (a control substitutes calibration or transform)."""
-    cal = calibration(toy.ref_logp, toy.r, control)  # exact per-prompt quantile
-    return {"raw RLHF": toy.r, "CTRL identity": cal} | {f"CTRL exp({t:g}u)": rescaled(transform("bon", t, control))(cal)
-                                                        for t in cfg.lm_ts}
-
-
-def lm_metrics(logp: Tensor, toy: LMToy, N: int) -> dict[str, float]:
-    """Mean over prompts of KL(π ‖ π_ref), the exact BoN-N win rate and the standard win rate against π_ref."""
-    from lab.align.exact import win_rate as exact_win_rate
-
-    return {"kl": float((logp.exp() * (logp - toy.ref_logp.double())).sum(-1).mean()),
-            "bon": float(exact_win_rate(logp, toy.ref_logp, toy.r, N).mean()),
-            "std": float(exact_win_rate(logp, toy.ref_logp, toy.r, 1).mean())}
-
-
-def lm_compare(toy: LMToy, cfg: Config, control: str = "",
-               quiet: bool | None = None) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, float]]:
-    """For each reward of `lm_rewards`: one β shared by the prompts with mean KL `cfg.lm_kl` on the closed form
-    π_ref·e^{R/β}, then a copy of π_ref trained on the exact KL-regularized objective at that β. Returns
-    {reward: {"closed" | "trained": `lm_metrics`}} and {reward: β}."""
-    from lab.align.exact import beta_for_kl, tilt_logp
-
-    lm, betas = {}, {}
-    for name, R in lm_rewards(toy, cfg, control).items():
-        betas[name] = beta = beta_for_kl(toy.ref_logp, R, cfg.lm_kl)
-        closed = tilt_logp(toy.ref_logp, R, beta)
-        trained = lm_rlhf(copy.deepcopy(toy.reference), toy.prompts, toy.ref_logp, R.float(), beta, cfg, quiet).double()
-        lm[name] = {"closed": lm_metrics(closed, toy, cfg.lm_N), "trained": lm_metrics(trained, toy, cfg.lm_N)}
-    return lm, betas
-
-
-def sampled_calibration(toy: LMToy, K: int, generator: torch.Generator) -> Tensor:
-    """CTRL's Ĉ as the algorithm computes it (`calibrate`): each prompt's rewards ranked among K responses
-    drawn from π_ref for that prompt (C, S)."""
-    idx = torch.multinomial(toy.ref_logp.double().exp(), K, replacement=True, generator=generator)  # (C, K)
-    return calibrate(toy.r.gather(1, idx), toy.r)
-
-
-def calibration_sweep(toy: LMToy, cfg: Config, seed: int, control: str = "") -> dict[str, dict[str, float]]:
-    """The sampled calibration Ĉ (K base samples per prompt, `sampled_calibration`) against the exact C, for
-    each K of `cfg.cal_Ks` ("K=…") and for C itself ("exact"), averaged over `cfg.cal_draws` draws:
-    "err" = E_{y~π_ref}|Ĉ(y) − C(y)| (mean over prompts); CTRL exp(t·u) (t the largest of `cfg.lm_ts`, rescaled)
-    at matched KL `cfg.lm_kl` on the closed form π_ref·e^{R/β}: its BoN-N win rate "bon" (against π_ref, with the
-    true reward) and its mass "sat" on the saturated responses, those ranked above all K samples (Ĉ = 1, where
-    the reward stops increasing), beside their π_ref mass "sat_ref"; CTRL identity on the same Ĉ: its BoN-N win
-    rate "bon_identity" and standard win rate "std". A control substitutes the calibration (`raw`: the global
-    min-max map, no sample is used) or the transform (`lab.align.infalign.CONTROLS`)."""
-    from lab.align.exact import beta_for_kl, tilt_logp
-
-    exact, ref_p = calibration(toy.ref_logp, toy.r, control), toy.ref_logp.double().exp()
-    phi = rescaled(transform("bon", max(cfg.lm_ts), control))
-    g = torch.Generator().manual_seed(seed)
-
-    def measure(cal: Tensor) -> dict[str, float]:
-        R = phi(cal)
-        logp = tilt_logp(toy.ref_logp, R, beta_for_kl(toy.ref_logp, R, cfg.lm_kl))
-        ident = lm_metrics(tilt_logp(toy.ref_logp, cal, beta_for_kl(toy.ref_logp, cal, cfg.lm_kl)), toy, cfg.lm_N)
-        top = (cal == 1).double()
-        return {"err": float((ref_p * (cal - exact).abs()).sum(-1).mean()),
-                "bon": lm_metrics(logp, toy, cfg.lm_N)["bon"], "sat": float((logp.exp() * top).sum(-1).mean()),
-                "sat_ref": float((ref_p * top).sum(-1).mean()),
-                "bon_identity": ident["bon"], "std": ident["std"]}
-
-    out = {}
-    for K in cfg.cal_Ks:
-        draws = [measure(exact)] if control == "raw" else [measure(sampled_calibration(toy, K, g))
-                                                           for _ in range(cfg.cal_draws)]
-        out[f"K={K}"] = {k: sum(d[k] for d in draws) / len(draws) for k in draws[0]}
-    out["exact"] = measure(exact)
-    return out

@@ -5,6 +5,8 @@ import torch
 
 from lab.align import exact as X
 from lab.align import expo as E
+from lab.align import expo_lm as EL
+from lab.align import tokens as T
 
 PI_STAR = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
 PI_REF = torch.tensor([0.4, 0.4, 0.2], dtype=torch.float64)
@@ -143,7 +145,7 @@ def test_tilt_hits_its_kl_and_exact_sft_fits():
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(27, dtype=torch.float64, generator=g).log_softmax(-1)
-    q = E.tilt(base, 0.7, g)
+    q = EL.tilt(base, 0.7, g)
     assert float((q.exp() * (q - base)).sum()) == pytest.approx(0.7, abs=1e-6)
     torch.manual_seed(0)
     m = tiny_llama(vocab_size=5, d_model=16, n_layers=1, n_heads=2, max_len=4)
@@ -321,14 +323,14 @@ def test_lm_sweep_trains_a_fresh_copy_per_method_and_lambda():
     from dataclasses import replace
 
     cfg = replace(E.Config.for_scale("smoke"), sft_steps=10, lm_steps=3, lm_batch=8, lm_lams=(0.1, 1.0))
-    toy = E.lm_toy(cfg, 0)
+    toy = EL.lm_toy(cfg, 0)
     before = [p.clone() for p in toy.reference.parameters()]
-    got, policies = E.lm_sweep(toy, cfg, 0)
+    got, policies = EL.lm_sweep(toy, cfg, 0)
     assert list(got) == list(policies) == [("dpo", 0.1), ("dpo", 1.0), ("expo", 0.1), ("expo", 1.0)]
     assert all(torch.equal(a, b) for a, b in zip(before, toy.reference.parameters()))  # π_ref untouched
     import copy
 
-    logp = E.train_lm("expo", copy.deepcopy(toy.reference), toy.prompts, toy.seqs, toy.ref_logp, toy.star_logp, 1.0,
+    logp = EL.train_lm("expo", copy.deepcopy(toy.reference), toy.prompts, toy.seqs, toy.ref_logp, toy.star_logp, 1.0,
                       V=cfg.V, steps=3, lr=cfg.lm_lr, batch=8, generator=torch.Generator().manual_seed(1), quiet=True)
     want = [sum(float(p.exp()) * (float(p) - float(q)) for p, q in zip(toy.star_logp[c], logp[c])) for c in range(2)]
     torch.testing.assert_close(got["expo", 1.0].double(), torch.tensor(want, dtype=torch.float64), atol=1e-5, rtol=0)
@@ -375,7 +377,7 @@ def test_token_kl_along_reference_samples_is_the_sequence_kl_and_along_chosen_re
     exact = float((lr.exp() * (lr - lp)).sum())
     x = torch.full((len(seqs), 1), 3)
     with torch.no_grad():
-        tk = E.token_kl(E.token_dists(ref, x, seqs), E.token_dists(pol, x, seqs))  # (16,)
+        tk = T.token_kl(T.token_dists(ref, x, seqs), T.token_dists(pol, x, seqs))  # (16,)
         ids = torch.cat([x, seqs], 1)[:, None].expand(-1, 2, -1)  # (16, 2, 3): the response as "chosen"
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                  "response_mask": torch.tensor([0, 1, 1]).expand_as(ids)}
@@ -394,7 +396,7 @@ def test_reference_kl_samples_from_the_reference_and_converges_to_the_exact_kl()
     ref, pol, seqs, lr, lp = _small_lms()
     exact = float((lr.exp() * (lr - lp)).sum())
     g = torch.Generator().manual_seed(0)
-    y = E.sample_responses(ref, torch.full((20000, 1), 3), 2, g)  # (20000, 2)
+    y = T.sample_responses(ref, torch.full((20000, 1), 3), 2, g)  # (20000, 2)
     freq = torch.bincount(y[:, 0] * 4 + y[:, 1], minlength=16).double() / len(y)
     assert (freq - lr.exp().double()).abs().max() < 0.015  # draws follow π_ref
     prompts = torch.tensor([[3], [3]])
@@ -410,7 +412,7 @@ def test_token_kl_expectations_on_the_toy():
     from dataclasses import replace
 
     cfg = replace(E.Config.for_scale("smoke"), V=3, L=2, sft_steps=20)
-    toy = E.lm_toy(cfg, 0)
+    toy = EL.lm_toy(cfg, 0)
     import copy
 
     pol = copy.deepcopy(toy.reference)
@@ -418,7 +420,7 @@ def test_token_kl_expectations_on_the_toy():
         for p in pol.parameters():
             p.add_(0.2 * torch.randn_like(p))
         logp = X.seq_logprobs(pol, toy.prompts, toy.seqs, cfg.V)
-    got = E.token_kl_expectations(toy, pol, cfg.V)
+    got = EL.token_kl_expectations(toy, pol, cfg.V)
     exact = (toy.ref_logp.exp() * (toy.ref_logp - logp)).sum(-1)
     torch.testing.assert_close(got["exact KL(π_ref‖π_θ)"], exact)
     torch.testing.assert_close(got["token KL along π_ref samples"], exact, atol=1e-5, rtol=1e-4)

@@ -3,7 +3,9 @@ import math
 import pytest
 import torch
 
+from lab.align import exact as X
 from lab.align import infalign as I
+from lab.align import infalign_scales as S
 
 U = I.grid(4000)
 
@@ -77,9 +79,9 @@ def test_controls_substitute_the_transform_and_the_calibration():
     # calibration: per-prompt quantiles (scale-free) vs the `raw` control's global min-max map (scale kept)
     ref = torch.full((2, 4), 0.25, dtype=torch.float64).log()
     r = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
-    cal = I.calibration(ref, r)
+    cal = S.calibration(ref, r)
     torch.testing.assert_close(cal[0], cal[1])
-    raw = I.calibration(ref, r, "raw")
+    raw = S.calibration(ref, r, "raw")
     assert float(raw.min()) == 0.0 and float(raw.max()) == 1.0 and raw[1].max() < raw[0].min() + 0.1
     with pytest.raises(ValueError, match="unknown control"):
         I.transform("bon", 1.0, "nope")
@@ -145,18 +147,18 @@ def test_the_tiny_transformer_rewards_metrics_and_comparison():
     from dataclasses import replace
 
     cfg = replace(I.Config(), sft_steps=5, rl_steps=3, lm_ts=(5.0,))
-    toy = I.lm_toy(cfg, 0)
-    rewards = I.lm_rewards(toy, cfg)
+    toy = S.lm_toy(cfg, 0)
+    rewards = S.lm_rewards(toy, cfg)
     assert list(rewards) == ["raw RLHF", "CTRL identity", "CTRL exp(5u)"]
-    torch.testing.assert_close(rewards["CTRL identity"], I.calibrate_exact(toy.ref_logp, toy.r))
+    torch.testing.assert_close(rewards["CTRL identity"], X.calibrate_exact(toy.ref_logp, toy.r))
     cal = rewards["CTRL identity"]
     torch.testing.assert_close(rewards["CTRL exp(5u)"], (torch.exp(5 * cal) - 1) / (math.exp(5) - 1))
-    raw = I.lm_rewards(toy, cfg, "raw")["CTRL identity"]
+    raw = S.lm_rewards(toy, cfg, "raw")["CTRL identity"]
     torch.testing.assert_close(raw, (toy.r - toy.r.min()) / (toy.r.max() - toy.r.min()))
-    base = I.lm_metrics(toy.ref_logp.double(), toy, 4)  # π_ref against itself
+    base = S.lm_metrics(toy.ref_logp.double(), toy, 4)  # π_ref against itself
     assert base["kl"] == pytest.approx(0.0, abs=1e-12) and base["bon"] == pytest.approx(0.5)
     assert base["std"] == pytest.approx(0.5)
-    lm, betas = I.lm_compare(toy, cfg, quiet=True)
+    lm, betas = S.lm_compare(toy, cfg, quiet=True)
     assert list(lm) == list(rewards) == list(betas) and set(lm["raw RLHF"]) == {"closed", "trained"}
     for name in lm:
         assert lm[name]["closed"]["kl"] == pytest.approx(cfg.lm_kl, abs=1e-6)  # β matched on the closed form
@@ -246,7 +248,7 @@ def test_heterogeneous_scales_against_the_gaussian_tilt_closed_form():
     from dataclasses import replace
 
     cfg = replace(I.Config(), M=20000)
-    got = I.heterogeneous(cfg)
+    got = S.heterogeneous(cfg)
     raw = got["raw RLHF"]
     s = torch.tensor(cfg.het_sigmas, dtype=torch.float64) / raw["beta"]
     # the grid stops at z = Φ_N^{-1}(1 − 1/2M) ≈ 3.9: the σ = 1 tilt (mean 1.7) loses ~1 % of its KL in the tail
@@ -259,31 +261,19 @@ def test_heterogeneous_scales_against_the_gaussian_tilt_closed_form():
     assert list(got) == ["raw RLHF", "CTRL identity", "CTRL exp(10u)"]
     # the controls: the global min-max map is an affine map of the raw reward (same tilt at matched KL); the
     # identity control leaves the calibrated identity in place of the exponential
-    ctl = I.heterogeneous(cfg, "raw")
+    ctl = S.heterogeneous(cfg, "raw")
     assert ctl["CTRL identity"]["std"] == pytest.approx(raw["std"], abs=1e-6)
-    ident = I.heterogeneous(cfg, "identity")
+    ident = S.heterogeneous(cfg, "identity")
     assert ident["CTRL exp(10u)"]["bon"] == pytest.approx(cal["bon"], abs=1e-9)
-
-
-def test_the_prefix_trick_gives_the_enumerated_log_probs():
-    from lab.align.exact import all_sequences, seq_logprobs
-    from lab.models import tiny_llama
-
-    torch.manual_seed(0)
-    V, L, prompts = 4, 3, torch.arange(4, 7)
-    model = tiny_llama(vocab_size=V + 3, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=L + 1)
-    want = seq_logprobs(model, prompts, all_sequences(V, L), V)
-    torch.testing.assert_close(I.lm_logprobs(model, prompts, V, L), want, atol=1e-5, rtol=0)
-    assert torch.allclose(want.logsumexp(-1), torch.zeros(3), atol=1e-5)
 
 
 def test_sampled_calibration_ranks_among_k_base_draws_and_converges_to_the_exact_one():
     from dataclasses import replace
 
     cfg = replace(I.Config(), sft_steps=20, lm_ts=(10.0,), cal_Ks=(4, 4096), cal_draws=2)
-    toy = I.lm_toy(cfg, 0)
+    toy = S.lm_toy(cfg, 0)
     g = torch.Generator().manual_seed(3)
-    got = I.sampled_calibration(toy, 5, g)
+    got = S.sampled_calibration(toy, 5, g)
     g = torch.Generator().manual_seed(3)
     idx = torch.multinomial(toy.ref_logp.double().exp(), 5, replacement=True, generator=g)
     for c in range(len(toy.prompts)):  # a naive loop: fraction of the 5 draws below, ties ½
@@ -291,14 +281,14 @@ def test_sampled_calibration_ranks_among_k_base_draws_and_converges_to_the_exact
         for y in (0, 17, 100):
             r = float(toy.r[c, y])
             assert float(got[c, y]) == pytest.approx(sum((b < r) + 0.5 * (b == r) for b in base) / 5)
-    sweep = I.calibration_sweep(toy, cfg, 0)
+    sweep = S.calibration_sweep(toy, cfg, 0)
     assert list(sweep) == ["K=4", "K=4096", "exact"]
     assert sweep["exact"]["err"] == 0.0 and sweep["exact"]["sat"] == 0.0
     assert sweep["K=4096"]["err"] < 0.02 < sweep["K=4"]["err"]
     assert sweep["K=4"]["sat_ref"] == pytest.approx(0.2, abs=0.1)  # P(beat all 4 draws) ≈ 1/5
     assert sweep["K=4"]["sat"] > sweep["K=4096"]["sat"]  # saturation fades as K grows
     assert sweep["K=4096"]["bon"] == pytest.approx(sweep["exact"]["bon"], abs=5e-3)
-    lm, _ = I.lm_compare(toy, replace(cfg, rl_steps=1), quiet=True)
+    lm, _ = S.lm_compare(toy, replace(cfg, rl_steps=1), quiet=True)
     assert sweep["exact"]["bon"] == pytest.approx(lm["CTRL exp(10u)"]["closed"]["bon"], abs=1e-9)
-    ident = I.calibration_sweep(toy, cfg, 0, "identity")
+    ident = S.calibration_sweep(toy, cfg, 0, "identity")
     assert all(v["bon"] == v["bon_identity"] for v in ident.values())
