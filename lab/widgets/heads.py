@@ -75,7 +75,7 @@ def attention_figure(maps: dict[tuple[int, int], torch.Tensor], tokens: Sequence
 
 def drop_figure(drop: torch.Tensor, *, layers: Sequence[int] | None = None,
                 title: str = "accuracy drop when one head is removed") -> go.Figure:
-    """Layer × head heat map of accuracy drops (as `lab.interp.gather_aggregate.head_sweep` measures);
+    """Layer × head heat map of accuracy drops (as `lab.interp.ablation.head_sweep` measures);
     `layers` names the rows (default 0..L-1)."""
     L, H = drop.shape
     layers = list(range(L)) if layers is None else list(layers)
