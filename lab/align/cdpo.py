@@ -22,7 +22,7 @@ s_t marks a critical token.
 which is DPO when every s_t = 0. The official trainer instead pairs the t-th chosen and rejected
 tokens and averages −log σ(γ(h_w,t − (1 − s_t) h_l,t)) over positions: `variant="official_positionwise"`.
 Documented difference: the official mean runs over all positions, prompt included (there h = 0, a constant
-log 2 per position), so its loss and gradient are ours times L / (P + L) (5/12 here, ≈ 2.4× smaller); Adam's
+log 2 per position), so its loss and gradient are ours times L / (P + L) (6/13 here, ≈ 2.2× smaller); Adam's
 update is invariant to a constant loss scale (up to its ε and gradient clipping), so the lr sweep is unaffected.
 
 Toy conventions (documented differences): full fine-tuning of copies instead of LoRA; fixed-length
@@ -45,7 +45,7 @@ from torch import Tensor
 
 from lab.align.train import optimize, response_logps, train_pairs
 from lab.core.params import check_control
-from lab.data.arith import RESPONSE_LEN, TrickyArithmetic, take
+from lab.data.arith import TrickyArithmetic, take
 from lab.models import TinyLM, TrainResult
 from lab.models.sample import mean_pass_at_k, sample, sample_responses
 
@@ -61,12 +61,15 @@ CONTROLS = {  # the substitutions a skeptic would make; the notebook declares wh
 @dataclass(frozen=True)
 class Config:
     """The tricky-arithmetic toy (`lab.data.arith.TrickyArithmetic`: tricky operations flipped w.p. 0.6, steps
-    1–2): a 1-layer Llama base trained on its noisy traces, N samples per training question, P_p / P_n by SFT,
+    1–2, responses opened by one of 48 free wording tokens, so that a chosen and a rejected trajectory part before
+    the critical token and a rare wording is as improbable under P_p as a wrong operation): a 1-layer Llama base
+    trained on its noisy traces, N samples per training question, P_p / P_n by SFT,
     K rollouts per prefix on up to `n_rollout` rejected trajectories, the four arms over an lr sweep (lr = 0 is
     the base; each arm's lr picked on `n_val` validation questions, accuracy reported on `n_test` others)."""
 
     flip: float = 0.6
     max_step: int = 2
+    n_wordings: int = 48  # responses open with a free wording token (`TrickyArithmetic.n_wordings`; 0: none)
     base: TinyLM = TinyLM(d_model=64, n_layers=1, n_heads=4, max_len=16, steps=400, batch_size=64, lr=3e-3)
     n_test: int = 500  # held-out questions for greedy accuracy (reported)
     n_val: int = 300  # other held-out questions, to pick each arm's lr
@@ -79,7 +82,7 @@ class Config:
     K: int = 16  # rollouts per prefix
     n_rollout: int = 100  # rejected trajectories studied by rollouts (at most)
     arms: tuple[str, ...] = ("dpo", "rpo", "cdpo", "cdpo_positionwise")
-    lrs: tuple[float, ...] = (0.0, 1e-5, 3e-5, 1e-4, 3e-4)  # lr = 0: the base itself
+    lrs: tuple[float, ...] = (0.0, 3e-5, 1e-4, 3e-4, 1e-3)  # lr = 0: the base itself (1e-5 left it unchanged)
     steps: int = 150  # preference training, every arm and lr
     batch_size: int = 32
     every: int = 20  # log the chosen / rejected log-likelihoods every this many steps
@@ -94,7 +97,7 @@ class Config:
                                                   steps=600)
 
     def task(self) -> TrickyArithmetic:
-        return TrickyArithmetic(flip=self.flip, max_step=self.max_step)
+        return TrickyArithmetic(flip=self.flip, max_step=self.max_step, n_wordings=self.n_wordings)
 
 
 def ce_models(pos, neg, control: str = "") -> tuple:
@@ -266,7 +269,8 @@ def preference_pairs(model, task: TrickyArithmetic, q: dict[str, Tensor], N: int
                      generator: torch.Generator, device: str = "cpu") -> Pairs:
     """Sample N trajectories per question at T = 1, grade them and `select`: the pair (most frequent correct,
     most frequent wrong) where a question has both; P_p's and P_n's data from every question independently."""
-    samples = sample_responses(model, q["prompt"].to(device), N, RESPONSE_LEN, generator=generator, temperature=1.0)
+    samples = sample_responses(model, q["prompt"].to(device), N, task.response_len, generator=generator,
+                               temperature=1.0)
     correct = task.grade(q, samples)
     sel = select(task.final_answer(samples), correct, top_p=top_p)
     kept = [i for i, s in enumerate(sel) if s["pos"] is not None and s["neg"]]

@@ -10,6 +10,11 @@ wrong one with probability `flip` (> 1/2: the majority is wrong), so its mistake
 operation token — the critical token — after which no continuation can recover. A trajectory is
 correct when its final digit is the true s2 and it ends with <eos> (final-answer grading, like the
 paper's GSM8K parser; a wrong operation that happens to give the right digit counts as correct).
+
+With `n_wordings` > 0 each response opens with a free wording token W0..W{n−1}, drawn uniformly in the traces and
+irrelevant to correctness (as a GSM8K solution's phrasing): a chosen and a rejected trajectory then usually part at
+that harmless token, before the critical one, and every wording is as unlikely under a model of correct answers as
+under a model of wrong ones — the variant where "first differing token" and P_p alone stop finding critical tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class TrickyArithmetic:
     map_seed: int = 0  # seeds the keyword -> operation map (part of the task)
     modulus: int = 10  # digits 0..modulus-1, arithmetic mod `modulus`
     max_step: int = 0  # > 0: the operands b, c are drawn from 1..max_step (small steps learn fast)
+    n_wordings: int = 0  # > 0: responses open with a free wording token W0..W{n-1} (irrelevant to correctness)
 
     def __post_init__(self):
         if not 0 <= self.n_tricky <= self.n_keywords or not 0.0 <= self.flip <= 1.0:
@@ -52,10 +58,28 @@ class TrickyArithmetic:
             raise ValueError("max_step must be 0 (any digit) or between 1 and modulus - 1.")
         if not 3 <= self.modulus <= 10:
             raise ValueError("modulus must be between 3 and 10 (single-digit tokens).")
+        if self.n_wordings < 0:
+            raise ValueError("n_wordings must be >= 0.")
+
+    @property
+    def response_len(self) -> int:
+        """Tokens per response: 5, plus the wording token when `n_wordings` > 0."""
+        return RESPONSE_LEN + (self.n_wordings > 0)
+
+    @property
+    def positions(self) -> tuple[str, ...]:
+        """What each response position holds (`POSITIONS`, after "wording" when there is one)."""
+        return ("wording",) * (self.n_wordings > 0) + POSITIONS
+
+    @property
+    def operations(self) -> tuple[int, ...]:
+        """The response positions of the two operation tokens (where critical tokens belong)."""
+        return tuple(i for i, name in enumerate(self.positions) if name.startswith("op"))
 
     @property
     def words(self) -> list[str]:
-        return [str(d) for d in range(self.modulus)] + [f"K{i}" for i in range(self.n_keywords)] + ["+", "-", SEP]
+        return ([str(d) for d in range(self.modulus)] + [f"K{i}" for i in range(self.n_keywords)] + ["+", "-", SEP]
+                + [f"W{i}" for i in range(self.n_wordings)])
 
     @cached_property
     def tokenizer(self):
@@ -77,7 +101,8 @@ class TrickyArithmetic:
         return {"digit": torch.tensor(self.ids([str(d) for d in range(self.modulus)])),
                 "kw": torch.tensor(self.ids([f"K{i}" for i in range(self.n_keywords)])),
                 "op": torch.tensor(self.ids(["-", "+"])),  # index (sign + 1) // 2
-                "bos_sep_eos": torch.tensor(self.ids(["<bos>", SEP, "<eos>"]))}
+                "bos_sep_eos": torch.tensor(self.ids(["<bos>", SEP, "<eos>"])),
+                "wording": torch.tensor(self.ids([f"W{i}" for i in range(self.n_wordings)]), dtype=torch.long)}
 
     def questions(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """`prompt` (n, 7) token ids and the question's fields: digits (n, 3), keywords (n, 2)."""
@@ -90,14 +115,20 @@ class TrickyArithmetic:
                             v["bos_sep_eos"][1].expand(n, 1)], 1)
         return {"prompt": prompt, "digits": digits, "kw": kw}
 
-    def trace(self, q: dict[str, torch.Tensor], sign: torch.Tensor) -> torch.Tensor:
-        """Response ids (n, 5) computed with operation signs (n, 2) (the true or a flipped one)."""
+    def trace(self, q: dict[str, torch.Tensor], sign: torch.Tensor,
+              wording: torch.Tensor | None = None) -> torch.Tensor:
+        """Response ids (n, `response_len`) computed with operation signs (n, 2) (the true or a flipped one), opened
+        by the wording tokens `wording` (n,) (default W0) when the task has them."""
         a, b, c = q["digits"].unbind(1)
         s1 = (a + sign[:, 0] * b) % self.modulus
         s2 = (s1 + sign[:, 1] * c) % self.modulus
         v = self._vocab
-        return torch.stack([v["op"][(sign[:, 0] + 1) // 2], v["digit"][s1], v["op"][(sign[:, 1] + 1) // 2],
+        body = torch.stack([v["op"][(sign[:, 0] + 1) // 2], v["digit"][s1], v["op"][(sign[:, 1] + 1) // 2],
                             v["digit"][s2], v["bos_sep_eos"][2].expand(len(a))], 1)
+        if not self.n_wordings:
+            return body
+        wording = torch.zeros(len(a), dtype=torch.long) if wording is None else wording
+        return torch.cat([v["wording"][wording][:, None], body], 1)
 
     def answer(self, q: dict[str, torch.Tensor]) -> torch.Tensor:
         """The true final digit s2: (n,)."""
@@ -115,23 +146,29 @@ class TrickyArithmetic:
         q = self.questions(n, generator)
         sign = self.op_sign[q["kw"]]
         flipped = (q["kw"] < self.n_tricky) & (torch.rand(n, 2, generator=generator) < self.flip)
-        response = self.trace(q, torch.where(flipped, -sign, sign))
+        wording = torch.randint(max(self.n_wordings, 1), (n,), generator=generator) if self.n_wordings else None
+        response = self.trace(q, torch.where(flipped, -sign, sign), wording)
         ids = torch.cat([q["prompt"], response], 1)
         labels = ids.clone()
         labels[:, :PROMPT_LEN] = IGNORE
         return {"input_ids": ids, "labels": labels}
 
     def final_answer(self, response: torch.Tensor) -> torch.Tensor:
-        """The final digit a response states, or −1 when it is malformed: (..., 5) -> (...)."""
+        """The final digit a response states, or −1 when it is malformed: (..., `response_len`) -> (...)."""
         v = self._vocab
+        if self.n_wordings:
+            ok = torch.isin(response[..., 0], v["wording"])
+            response = response[..., 1:]
+        else:
+            ok = torch.ones(response.shape[:-1], dtype=torch.bool)
         digit_of = torch.full((len(self.tokenizer),), -1)  # token id -> digit value, −1 if not a digit
         digit_of[v["digit"]] = torch.arange(self.modulus)
-        ok = torch.isin(response[..., 0], v["op"]) & torch.isin(response[..., 2], v["op"])
+        ok &= torch.isin(response[..., 0], v["op"]) & torch.isin(response[..., 2], v["op"])
         ok &= torch.isin(response[..., 1], v["digit"]) & (response[..., 4] == v["bos_sep_eos"][2])
         return torch.where(ok, digit_of[response[..., 3]], -1)
 
     def grade(self, q: dict[str, torch.Tensor], response: torch.Tensor) -> torch.Tensor:
-        """Correct (bool) per response: response (n, 5) or (n, k, 5) for question batch q (n)."""
+        """Correct (bool) per response: response (n, L) or (n, k, L) for question batch q (n)."""
         truth = self.answer(q)
         truth = truth.view(-1, *([1] * (response.ndim - 2)))
         return self.final_answer(response) == truth
@@ -144,11 +181,12 @@ class TrickyArithmetic:
                         device: str = "cpu") -> dict[str, float]:
         """Share of questions q a model answers correctly with its greedy trajectory: over all of them, the
         tricky ones and the plain ones."""
-        ok = self.grade(q, sample(model, q["prompt"].to(device), RESPONSE_LEN, generator=generator, temperature=0))
+        ok = self.grade(q, sample(model, q["prompt"].to(device), self.response_len, generator=generator,
+                                  temperature=0))
         tricky = self.tricky(q)
         return {"all": ok.float().mean().item(), "tricky": ok[tricky].float().mean().item(),
                 "plain": ok[~tricky].float().mean().item()}
 
     def chance(self) -> dict[str, float]:
         """Top-1 hit rates of guessing the critical token: a random response position, a random operation."""
-        return {"random position": 1 / RESPONSE_LEN, "random operation token": 1 / 2}  # op1 or op2
+        return {"random position": 1 / self.response_len, "random operation token": 1 / 2}  # op1 or op2

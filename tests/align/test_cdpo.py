@@ -270,9 +270,9 @@ def test_config_lists_the_sizes_of_each_scale():
         (500, 300, 16, 200, 16, 100, 150)
     assert (full.n_test, full.n_train, full.n_samples, full.sft_steps, full.K, full.n_rollout, full.steps) == \
         (2000, 1000, 64, 600, 64, 300, 600)
-    assert smoke.lrs == (0.0, 1e-5, 3e-5, 1e-4, 3e-4) and full.lrs == (0.0, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3)
+    assert smoke.lrs == (0.0, 3e-5, 1e-4, 3e-4, 1e-3) and full.lrs == (0.0, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3)
     assert (smoke.n_val, full.n_val) == (300, 1000)
-    assert smoke.task() == TrickyArithmetic(flip=0.6, max_step=2)
+    assert smoke.task() == TrickyArithmetic(flip=0.6, max_step=2, n_wordings=48)
     with pytest.raises(FrozenInstanceError):
         smoke.K = 2
     with pytest.raises(ValueError, match="not a control"):

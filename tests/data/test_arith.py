@@ -116,3 +116,30 @@ def test_greedy_accuracy_by_hand_and_chance_levels():
     assert acc["plain"] == 1.0 and acc["tricky"] < 0.5
     assert task.chance() == {"random position": 1 / RESPONSE_LEN, "random operation token": 0.5}
     assert POSITIONS.index("s2") == 3 and len(POSITIONS) == RESPONSE_LEN
+
+
+def test_wording_tokens_are_free_and_graded_like_the_plain_task():
+    """With n_wordings > 0 each response opens with W0..W{n-1}: uniform in the base traces, irrelevant to the grade
+    (the same trace under every wording is graded alike, and as the plain task grades it), and required (a trace
+    without one is malformed); the operation positions shift by one."""
+    task, plain = TrickyArithmetic(max_step=2, n_wordings=4), TrickyArithmetic(max_step=2)
+    g = torch.Generator().manual_seed(6)
+    q = task.questions(300, g)
+    assert task.response_len == RESPONSE_LEN + 1 and plain.response_len == RESPONSE_LEN
+    assert task.positions == ("wording", *POSITIONS) and task.operations == (1, 3) and plain.operations == (0, 2)
+    flipped = torch.where(q["kw"] < task.n_tricky, -task.op_sign[q["kw"]], task.op_sign[q["kw"]])
+    body = plain.trace(q, flipped)
+    truth = plain.grade(q, body)
+    assert set(truth.tolist()) == {True, False}
+    for w in range(4):
+        r = task.trace(q, flipped, torch.full((300,), w))
+        assert r.shape == (300, 6) and torch.equal(r[:, 1:], task.trace(q, flipped)[:, 1:])
+        assert task.tokenizer.convert_ids_to_tokens(r[0, 0].item()) == f"W{w}"
+        assert torch.equal(task.grade(q, r), truth) and torch.equal(task.final_answer(r), plain.final_answer(body))
+    digit_first = torch.cat([body[:, :1], body], 1)  # a digit where the wording belongs
+    assert (task.final_answer(digit_first) == -1).all()
+    ids = task.batch(4000, g)["input_ids"][:, PROMPT_LEN]
+    counts = torch.bincount(ids - ids.min(), minlength=4)
+    assert len(counts) == 4 and counts.min() > 900  # uniform over the four wordings
+    with pytest.raises(ValueError):
+        TrickyArithmetic(n_wordings=-1)
