@@ -1,1 +1,2 @@
-"""Test-time adaptation: TLM (perplexity minimisation) and its entropy baselines."""
+"""Test-time adaptation: TLM (perplexity minimisation, `tlm`), its entropy baselines Tent and EATA (`entropy_tta`)
+and the offline/online loops they share (`loop`)."""

@@ -16,17 +16,17 @@ with a fresh optimiser (the official `forward_for_online` builds a new trainer p
 scored on those answers. The official trainer back-propagates a zero loss for unselected samples; here they
 are truly skipped (`skip_unselected=True`), and the count of backward passes is returned either way.
 
-Baselines (not in the official repository; the paper's Sec. 5 description): Tent, the entropy of the model's
-own greedy continuation, and EATA (official `mr-eggplant/EATA`): that entropy on reliable (E < E0) and
-non-redundant (cosine filter against a moving average) inputs, weighted 1/exp(E − E0), plus its Fisher
-regulariser; both adapt the same LoRA weights, and their backward passes are counted.
+The offline and online loops (`adapt`, `adapt_online`) are `lab.adapt.loop`. Baselines (not in the official
+repository; the paper's Sec. 5 description), in `lab.adapt.entropy_tta`: Tent, the entropy of the model's own
+greedy continuation, and EATA (official `mr-eggplant/EATA`): that entropy on reliable (E < E0) and non-redundant
+(cosine filter against a moving average) inputs, weighted 1/exp(E − E0), plus its Fisher regulariser; both adapt
+the same LoRA weights, and their backward passes are counted.
 
 The toy (`Config`, `build`, `run_arms`): a 2-layer Llama pre-trained on a source Markov domain and an unrelated
 retention domain (`lab.data.domains.RetentionDomains`) meets an unlabeled stream from a shifted target domain;
 each arm (TLM, TLM w/o SEL, Tent, EATA, full-parameter TLM, online TLM with and without SEL) adapts a fresh copy
 of the base model on the stream and is scored on the stream's answers, on held-out target questions and on the
-retention domain. (About 440 lines, past the ~300 guide: EATA in full, with its filters and Fisher regulariser,
-and the online scoring; the toy half could move to a module of its own.)
+retention domain.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from lab.core import progress
+from lab.adapt.entropy_tta import eata_objective, entropy_of_continuation, fisher_information, tent_objective
+from lab.adapt.loop import AdaptLog, Objective, adapt, adapt_online
 from lab.data.domains import MarkovDomains, RetentionDomains, answer_scores
 from lab.models import TinyLM, TrainResult
 
@@ -78,39 +79,6 @@ def tlm_loss(ce: Tensor, coeff: Tensor, selected: Tensor, *, objective: str = "c
     return (coeff * selected * f).sum() / selected.sum()
 
 
-def continuation(model, input_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The model's own k greedy continuation tokens (chosen without gradient) and the log-distributions that
-    chose them, with gradient: (tokens (B, k), log p (B, k, V)). The first k − 1 tokens are generated without
-    gradient; one forward with gradient over them gives all k distributions, and the k-th token is the argmax of
-    the last (the same greedy token, one forward fewer)."""
-    with torch.no_grad():
-        x = input_ids
-        for _ in range(k - 1):
-            x = torch.cat([x, model(input_ids=x).logits[:, -1:].argmax(-1)], 1)
-    logp = model(input_ids=x).logits[:, input_ids.shape[1] - 1:].float().log_softmax(-1)  # (B, k, V)
-    return torch.cat([x[:, input_ids.shape[1]:], logp[:, -1:].detach().argmax(-1)], 1), logp
-
-
-def entropy_of_continuation(model, input_ids: Tensor, k: int) -> Tensor:
-    """Mean predictive entropy (nats) over the model's own k greedy continuation tokens: (B,), with
-    gradient through the distributions (the continuation itself is chosen without gradient)."""
-    logp = continuation(model, input_ids, k)[1]
-    return -(logp.exp() * logp).sum(-1).mean(-1)
-
-
-@dataclass
-class AdaptLog:
-    """What an adaptation run did: per-step loss (None when skipped), selected flags, backward passes."""
-
-    losses: list[float | None] = field(default_factory=list)
-    selected: list[bool] = field(default_factory=list)
-    backward_passes: int = 0
-    checkpoints: list[dict] = field(default_factory=list)  # whatever `probe` returned at each `every`
-
-
-Objective = Callable[[object, Tensor], tuple[Tensor, Tensor]]  # (model, x (1, T)) -> (loss, selected (bool))
-
-
 def tlm_objective(*, threshold: float = 3.0, lamb: float = 0.1, objective: str = "code", sel: bool = True,
                   base_ce: Callable[[Tensor], Tensor] | None = None) -> Objective:
     """The TLM loss of one input; `sel=False` weights every sample 1 (TLM w/o SEL). `base_ce(x)` gives
@@ -125,125 +93,6 @@ def tlm_objective(*, threshold: float = 3.0, lamb: float = 0.1, objective: str =
         return tlm_loss(ce, coeff, selected, objective=objective), selected.any()
 
     return f
-
-
-def tent_objective(k: int = 8) -> Objective:
-    """Tent (Wang et al., ICLR 2021) as the TLM paper runs it on LLMs (Sec. 5): minimise the entropy of the
-    model's own k-token greedy continuation, every input, weight 1."""
-    return lambda model, x: (entropy_of_continuation(model, x, k).mean(), torch.tensor(True))
-
-
-def fisher_information(model, inputs: list[Tensor], k: int) -> dict[str, tuple[Tensor, Tensor]]:
-    """EATA's anti-forgetting weights (Niu et al., ICML 2022, Eq. 9; official `mr-eggplant/EATA`, main.py):
-    the diagonal Fisher of the trainable parameters on in-distribution inputs, i.e. the squared gradient of the
-    cross-entropy against the model's own greedy continuation (pseudo-labels), averaged over the batches
-    `inputs` (each (B, T)). Returns {name: (F, θ0)}."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    fisher = {n: torch.zeros_like(p) for n, p in params.items()}
-    for x in inputs:
-        tokens, logp = continuation(model, x, k)
-        ce = -logp.gather(-1, tokens[..., None]).mean()
-        for n, g in zip(params, torch.autograd.grad(ce, list(params.values()), allow_unused=True)):
-            if g is not None:
-                fisher[n] += g.detach() ** 2
-    return {n: (f / len(inputs), params[n].detach().clone()) for n, f in fisher.items()}
-
-
-def eata_objective(e0: float, k: int = 8, *, d_margin: float = 1.0, fishers: dict | None = None,
-                   alpha: float = 2000.0) -> Objective:
-    """EATA (Niu et al., ICML 2022; official `mr-eggplant/EATA`, eata.py `forward_and_adapt_eata`) on the
-    model's k-token greedy continuation: a sample is *reliable* if its entropy E < E0 (Eq. 3) and *non-redundant*
-    if its mean predicted distribution p̄ has |cos(p̄, m)| < d_margin with m the moving average (0.9) of the
-    kept samples' p̄ (Eqs. 4-5; none before the first); kept samples' entropies are weighted 1/exp(E − E0) and
-    averaged, plus the Fisher regulariser α Σ F (θ − θ0)² (Eqs. 8-9). No kept sample: no backward, as the
-    official code."""
-    state: dict[str, Tensor | None] = {"m": None}
-
-    def f(model, x):
-        logp = continuation(model, x, k)[1]
-        p = logp.exp()
-        e = -(p * logp).sum(-1).mean(-1)  # (B,)
-        pbar = p.mean(1).detach()  # (B, V)
-        keep = e.detach() < e0
-        if state["m"] is not None:
-            keep &= torch.nn.functional.cosine_similarity(state["m"][None], pbar, dim=1).abs() < d_margin
-        if keep.any():
-            new = pbar[keep].mean(0)
-            state["m"] = new if state["m"] is None else 0.9 * state["m"] + 0.1 * new
-        loss = (torch.exp(e0 - e.detach()) * e * keep).sum() / keep.sum().clamp_min(1)
-        if fishers:
-            loss = loss + alpha * sum((fishers[n][0] * (q - fishers[n][1]) ** 2).sum()
-                                      for n, q in model.named_parameters() if n in fishers)
-        return loss, keep.any()
-
-    return f
-
-
-def adapt(model, inputs: list[Tensor], objective: Objective, *, lr: float, steps_per_input: int = 1,
-          skip_unselected: bool = True, schedule: str = "cosine", warmup_frac: float = 0.1, grad_clip: float = 1.0,
-          probe: Callable[[], dict] | None = None, every: int = 0, quiet: bool | None = None) -> AdaptLog:
-    """Offline TTL: one pass over the unlabeled inputs (each (1, T)), batch 1, AdamW on the trainable
-    parameters, cosine schedule with warm-up (the repo's offline config) or constant (online)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    total = len(inputs) * steps_per_input
-    warm = max(1, round(warmup_frac * total))
-
-    def scale(step):
-        if schedule == "constant":
-            return 1.0
-        if step < warm:
-            return (step + 1) / warm
-        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
-
-    log = AdaptLog()
-    model.train()
-    step = 0
-    for x in progress(inputs, quiet=quiet, desc="adapt"):
-        for _ in range(steps_per_input):
-            if probe is not None and every and step % every == 0:
-                model.eval()
-                log.checkpoints.append({"step": step, **probe()})
-                model.train()
-            for group in opt.param_groups:  # the schedule advances per input, selected or not (as the repo's)
-                group["lr"] = lr * scale(step)
-            loss, selected = objective(model, x)
-            log.selected.append(bool(selected))
-            if selected or not skip_unselected:
-                loss.backward()
-                log.backward_passes += 1
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                log.losses.append(loss.item())
-            else:
-                log.losses.append(None)
-            step += 1
-    if probe is not None and every:
-        model.eval()
-        log.checkpoints.append({"step": step, **probe()})
-    model.eval()
-    return log
-
-
-def adapt_online(model, inputs: list[Tensor], objective: Objective, *, chunk: int, lr: float,
-                 predict: Callable[[list[Tensor]], list], grad_clip: float = 1.0,
-                 quiet: bool | None = None) -> tuple[list, AdaptLog]:
-    """Online TTL (the official `forward_for_online`): for each chunk of the stream, answer it with the current
-    model (`predict(chunk)`, whose outputs are collected), then adapt on the chunk's inputs with a *fresh* AdamW at
-    constant lr (the official code builds a new trainer, hence a new optimiser, per chunk); the objective sees the
-    current model, so inputs it has learned drop out."""
-    predictions, total = [], AdaptLog()
-    for start in progress(range(0, len(inputs), chunk), quiet=quiet, desc="online"):
-        part = inputs[start:start + chunk]
-        model.eval()
-        predictions += predict(part)
-        log = adapt(model, part, objective, lr=lr, schedule="constant", grad_clip=grad_clip, quiet=True)
-        total.losses += log.losses
-        total.selected += log.selected
-        total.backward_passes += log.backward_passes
-    model.eval()
-    return predictions, total
 
 
 def pool_scores(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lab.adapt import loop as L
 from lab.adapt import tlm as T
 from lab.models import tiny_llama
 
@@ -48,88 +49,6 @@ def test_sel_weights_and_loss_by_hand():
         T.tlm_loss(ce, coeff, sel, objective="ppl")
 
 
-def test_lora_adaptation_skips_unselected_inputs_and_leaves_the_base_intact():
-    m = T.add_lora(model())
-    W0 = {n: p.clone() for n, p in m.named_parameters() if "lora" not in n}
-    assert all("lora" in n for n, p in m.named_parameters() if p.requires_grad)
-    inputs = [torch.randint(V, (1, 10), generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    with torch.no_grad():
-        ce0 = [T.sample_ce(m, x).item() for x in inputs]
-    threshold = sorted(ce0)[3]  # the two highest-CE inputs are selected
-    objective = T.tlm_objective(threshold=threshold, lamb=0.1, base_ce=lambda x: T.sample_ce(m, x).detach())
-    log = T.adapt(m, inputs, objective, lr=1e-2)
-    assert sum(log.selected) == 2 and log.backward_passes == 2
-    assert [loss is None for loss in log.losses] == [not s for s in log.selected]
-    official = T.adapt(T.add_lora(model()), inputs, T.tlm_objective(threshold=threshold), lr=1e-2,
-                       skip_unselected=False)
-    assert official.backward_passes == len(inputs)  # the repo back-propagates zero losses too
-    assert all(torch.equal(W0[n], p) for n, p in m.named_parameters() if "lora" not in n)
-    with m.disable_adapter(), torch.no_grad():
-        assert [T.sample_ce(m, x).item() for x in inputs] == pytest.approx(ce0)
-
-
-def test_perplexity_minimisation_lowers_the_inputs_perplexity_and_probes_run():
-    m = T.add_lora(model(), targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-    x = torch.randint(V, (1, 12), generator=torch.Generator().manual_seed(0))
-    before = T.sample_ce(m, x).item()
-    log = T.adapt(m, [x] * 30, T.tlm_objective(sel=False), lr=1e-2, probe=lambda: {"ce": T.sample_ce(m, x).item()},
-                  every=10)
-    assert T.sample_ce(m, x).item() < before - 0.5
-    assert [c["step"] for c in log.checkpoints] == [0, 10, 20, 30] and log.checkpoints[0]["ce"] == pytest.approx(before)
-
-
-def test_entropy_baselines():
-    m = model()
-    x = torch.randint(V, (2, 6))
-    e = T.entropy_of_continuation(m, x, 3)
-    with torch.no_grad():  # by hand: greedy continuation, then the entropies at those positions
-        seq = x
-        for _ in range(3):
-            seq = torch.cat([seq, m(input_ids=seq).logits[:, -1:].argmax(-1)], 1)
-        p = m(input_ids=seq).logits[:, 5:8].softmax(-1)
-        want = -(p * p.log()).sum(-1).mean(-1)
-    torch.testing.assert_close(e.detach(), want, rtol=1e-5, atol=1e-6)
-    loss, sel = T.tent_objective(3)(m, x)
-    loss.backward()
-    assert sel and any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
-    loss, sel = T.eata_objective(e0=0.0, k=3)(m, x)  # nothing is that confident: skipped
-    assert not sel and loss.item() == 0.0
-
-
-def test_online_predicts_each_chunk_before_training_on_it():
-    m = T.add_lora(model())
-    inputs = [torch.randint(V, (1, 8), generator=torch.Generator().manual_seed(i)) for i in range(5)]
-    seen = []
-
-    def predict(part):
-        seen.append(len(part))
-        return [T.sample_ce(m, x).item() for x in part]
-
-    preds, log = T.adapt_online(m, inputs, T.tlm_objective(threshold=0.0), chunk=2, lr=1e-2, predict=predict)
-    assert seen == [2, 2, 1] and len(preds) == 5 and log.backward_passes == 5
-    assert preds[0] == pytest.approx(T.sample_ce(T.add_lora(model()), inputs[0]).item())  # before any update
-
-
-def test_online_uses_a_fresh_optimizer_per_chunk_as_the_official_online_mode():
-    """Reference: a hand-written loop, a new AdamW for each chunk (the official code builds a new trainer per
-    chunk); one AdamW kept across chunks (the old behaviour) ends elsewhere."""
-    inputs = [torch.randint(V, (1, 8), generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    torch.manual_seed(1)
-    m = T.add_lora(model())
-    ref = copy.deepcopy(m)
-    T.adapt_online(m, inputs, T.tlm_objective(sel=False), chunk=3, lr=1e-2, predict=lambda part: [])
-    params = [p for p in ref.parameters() if p.requires_grad]
-    for start in (0, 3):
-        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
-        for x in inputs[start:start + 3]:
-            ref(input_ids=x, labels=x).loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad()
-    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=n)
-
-
 def test_pool_scores_equals_scoring_the_whole_stream_at_once():
     from lab.data.domains import MarkovDomains, answer_scores
 
@@ -144,62 +63,6 @@ def test_pool_scores_equals_scoring_the_whole_stream_at_once():
     assert T.pool_scores(parts) == pytest.approx(whole, rel=1e-5)
 
 
-def test_eata_filters_weights_and_regularises_as_the_official_code():
-    m = T.add_lora(model())
-    x1, x2 = (torch.randint(V, (1, 6), generator=torch.Generator().manual_seed(i)) for i in (0, 1))
-    with torch.no_grad():
-        tokens, logp = T.continuation(m, x1, 3)
-        p = logp.exp()
-        e1 = -(p * logp).sum(-1).mean().item()
-        p1 = p.mean(1)[0]
-        p2 = T.continuation(m, x2, 3)[1].exp().mean(1)[0]
-    e0 = e1 + 0.5  # x1 is reliable
-    f = T.eata_objective(e0, 3, d_margin=1.01)
-    loss, kept = f(m, x1)  # no moving average yet: kept; loss = exp(E0 - E)·E
-    assert kept and loss.item() == pytest.approx(math.exp(0.5) * e1, rel=1e-4)
-    cos = torch.nn.functional.cosine_similarity(p1, p2, dim=0).abs().item()
-    strict = T.eata_objective(e0 + 10, 3, d_margin=cos - 1e-3)
-    assert strict(m, x1)[1] and not strict(m, x2)[1]  # x2 redundant with the average (= p1): skipped
-    loose = T.eata_objective(e0 + 10, 3, d_margin=cos + 1e-3)
-    assert loose(m, x1)[1] and loose(m, x2)[1]
-    assert not T.eata_objective(e1 - 1e-3, 3)(m, x1)[1]  # unreliable (E >= E0): skipped
-    # the Fisher regulariser: alpha * sum F (theta - theta0)^2, by hand after moving one parameter
-    fishers = T.fisher_information(m, [x1, x2], 3)
-    name, q = next((n, q) for n, q in m.named_parameters() if "lora_B" in n)
-    with torch.no_grad():
-        q.add_(0.1)
-    reg = T.eata_objective(-1.0, 3, fishers=fishers, alpha=7.0)(m, x1)[0]  # nothing kept: the regulariser alone
-    want = 7.0 * sum((fishers[n][0] * (r - fishers[n][1]) ** 2).sum() for n, r in m.named_parameters() if n in fishers)
-    assert reg.item() == pytest.approx(want.item(), rel=1e-5) and reg.item() > 0
-
-
-def test_fisher_information_is_the_mean_squared_gradient_over_batches():
-    m = T.add_lora(model())
-    with torch.no_grad():  # B = 0 at init leaves A without gradient; give B a value so both are checked
-        for n, q in m.named_parameters():
-            if "lora_B" in n:
-                q.normal_(0, 0.1)
-    batches = [torch.randint(V, (2, 6), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    got = T.fisher_information(m, batches, 2)
-    params = {n: q for n, q in m.named_parameters() if q.requires_grad}
-    want = {n: torch.zeros_like(q) for n, q in params.items()}
-    for x in batches:  # naive: pseudo-labels = greedy continuation, CE over (B, k), grad squared
-        with torch.no_grad():
-            seq = x
-            for _ in range(2):
-                seq = torch.cat([seq, m(input_ids=seq).logits[:, -1:].argmax(-1)], 1)
-        logits = m(input_ids=seq).logits[:, 5:7]
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, V), seq[:, 6:].reshape(-1))
-        m.zero_grad()
-        ce.backward()
-        for n, q in params.items():
-            want[n] += q.grad ** 2 / len(batches)
-    for n in params:
-        torch.testing.assert_close(got[n][0], want[n], rtol=1e-4, atol=1e-10)
-        assert torch.equal(got[n][1], params[n].detach())
-    assert any(got[n][0].abs().sum() > 0 for n in params if "lora_A" in n)
-
-
 def test_the_notebook_controls_substitutions():
     """03_tlm's controls: `no_adapt` (lr 0) leaves the model the base model; `no_sel` makes online TLM
     learn from every input, where SEL skips the ones it has learned."""
@@ -208,14 +71,14 @@ def test_the_notebook_controls_substitutions():
     with torch.no_grad():
         ce0 = T.sample_ce(m, torch.cat(inputs))
     threshold = ce0.min().item() - 0.1  # every input selected at the start
-    log = T.adapt(m, inputs, T.tlm_objective(threshold=threshold), lr=0.0)
+    log = L.adapt(m, inputs, T.tlm_objective(threshold=threshold), lr=0.0)
     assert log.backward_passes == len(inputs)
     with torch.no_grad():
         assert torch.equal(T.sample_ce(m, torch.cat(inputs)), ce0)
     counts = {}
     for sel in (True, False):
         m = T.add_lora(model(), targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-        _, log = T.adapt_online(m, inputs, T.tlm_objective(threshold=threshold, sel=sel), chunk=4, lr=3e-2,
+        _, log = L.adapt_online(m, inputs, T.tlm_objective(threshold=threshold, sel=sel), chunk=4, lr=3e-2,
                                 predict=lambda part: [None] * len(part))
         counts[sel] = log.backward_passes
     assert counts[False] == len(inputs) and counts[True] < len(inputs)
@@ -320,7 +183,7 @@ def test_online_tlm_is_scored_on_its_own_stream_answers_each_given_before_traini
         x, y = toy.stream["input"][start:start + cfg.chunk], toy.stream["answer"][start:start + cfg.chunk]
         s = answer_scores(m, {"input": x, "answer": y}, generator=torch.Generator(), device="cpu")
         hits, nll, n = hits + s["acc"] * len(x), nll + math.log(s["out_ppl"]) * len(x), n + len(x)
-        T.adapt(m, [x[i:i + 1] for i in range(len(x))], T.tlm_objective(sel=False), lr=3e-2, schedule="constant")
+        L.adapt(m, [x[i:i + 1] for i in range(len(x))], T.tlm_objective(sel=False), lr=3e-2, schedule="constant")
     assert got["stream"]["acc"] == pytest.approx(hits / n) and got["stream"]["out_ppl"] == pytest.approx(
         math.exp(nll / n), rel=1e-5)
     final = answer_scores(m, toy.stream, generator=torch.Generator(), device="cpu")
@@ -341,7 +204,7 @@ def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_where_they
     assert [c["step"] for c in curve] == [0, 4, 8, 12, 16, 20] and set(curve[0]) == {"step", "out_ppl", "in_ppl"}
     torch.manual_seed(7)  # TLM by hand: a LoRA copy, offline TLM with the base model's CE selecting
     m = T.add_lora(copy.deepcopy(toy.base), targets=cfg.lora_targets)
-    log = T.adapt(m, toy.inputs, T.tlm_objective(threshold=toy.threshold, base_ce=T.base_ce(m)), lr=cfg.lr)
+    log = L.adapt(m, toy.inputs, T.tlm_objective(threshold=toy.threshold, base_ce=T.base_ce(m)), lr=cfg.lr)
     assert toy.score(m, log) == results["TLM"]
     with torch.no_grad():
         assert torch.equal(T.base_ce(m)(toy.inputs[0]), T.sample_ce(toy.base, toy.inputs[0]))
