@@ -7,14 +7,7 @@ import torch
 
 from lab.adapt import entropy_tta as E
 from lab.adapt import tlm as T
-from lab.models import tiny_llama
-
-V = 16
-
-
-def model(seed=0):
-    torch.manual_seed(seed)
-    return tiny_llama(vocab_size=V, d_model=32, n_layers=1, n_heads=2, max_len=32).eval()
+from tests.adapt.tiny import V, model
 
 
 def test_entropy_baselines():

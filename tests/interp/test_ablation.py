@@ -4,23 +4,10 @@ import pytest
 import torch
 
 from lab.interp import ablation
-from lab.models import hooks, tiny_llama, tiny_mamba2
-
-V = 20
-
-
-def models():
-    torch.manual_seed(0)
-    return {"llama": tiny_llama(vocab_size=V, d_model=32, n_layers=2, n_heads=4),
-            "mamba2": tiny_mamba2(vocab_size=V, d_model=32, n_layers=2, head_dim=16)}
-
+from lab.models import hooks
+from tests.interp.tiny import alive, models
 
 MODELS = models()
-
-
-def alive(m, l, h):
-    """Whether head h of layer l is switched on (read off the live output-projection weights)."""
-    return bool(hooks.out_proj(m, l).weight.view(32, 4, 8)[:, h].abs().sum() > 0)
 
 
 def test_sweep_collapse_and_pruning_curve_on_a_scripted_model():
