@@ -13,6 +13,8 @@ class ModelNotAvailable(RuntimeError):
 def load_model(name_or_path: str, *, device: str = "cpu", dtype=None, attn_implementation: str = "eager"):
     """`(model, tokenizer)` from a local folder (written by `save_pretrained`) or a hub id.
 
+    On `device="cuda"` the weights load with `device_map="auto"` (accelerate), so a model larger than one
+    GPU spreads over the GPUs present (and CPU memory after them); otherwise the model moves to `device`.
     The tokenizer is None when the folder has none. Offline (no network, or `HF_HUB_OFFLINE=1`, as
     smoke scale sets) a hub id that is not in the local Hugging Face cache raises
     `ModelNotAvailable` with one sentence saying so.
@@ -23,7 +25,9 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype=None, attn_imple
     is_local = local.is_dir()
     source = str(local) if is_local else name_or_path
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+        spread = {"device_map": "auto"} if device == "cuda" else {}
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
+                                                     **spread)
     except (OSError, ValueError) as e:
         if is_local:
             raise ModelNotAvailable(f"{name_or_path!r} is a folder but holds no loadable model ({e}).") from e
@@ -36,4 +40,4 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype=None, attn_imple
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         tokenizer = None
-    return model.to(device).eval(), tokenizer
+    return (model if device == "cuda" else model.to(device)).eval(), tokenizer
