@@ -163,6 +163,8 @@ def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeou
     Path(jsonl).unlink(missing_ok=True)
     if status == "passed" and not all(c["passed"] for c in claims + records["sanity"]):
         status = "failed"
+    if status == "passed" and not claims and not params.get("control"):
+        status = "measured"  # it ran and recorded, but asserted no claim (e.g. a checkpoint run): not a pass
     if params.get("control") and not records["control"]:  # the run stopped before its verdict
         from lab.core.records import judge
 
@@ -206,7 +208,7 @@ def cmd_run(args) -> int:
                   (f"; NOT broken: {', '.join(c['survived'])}" if c["survived"] else ""), flush=True)
         elif rec.get("error"):
             print(f"  {rec['error'].splitlines()[0] if rec['error'] else ''}", flush=True)
-        ok &= rec["status"] == "passed"
+        ok &= rec["status"] in ("passed", "measured")
     if not args.no_page:
         print(f"index: {report.build_index(out)}")
     return 0 if ok else 1

@@ -45,12 +45,13 @@ def nbdir(tmp_path_factory):
     write_nb(d, "02_claim", 'from lab.core import check\ncheck("breaks", 0.1, ">=", 0.5)\n'
                             'check("breaks too", 0.2, ">=", 0.5)\nprint("reached: claims do not raise")')
     write_nb(d, "03_crash", 'raise RuntimeError("boom")')
+    write_nb(d, "04_measured", 'lab.core.record("m", {"a": 1})')
     return d
 
 
 @pytest.mark.timeout(300)
 def test_run_all_writes_records_pages_and_index(nbdir, tmp_path):
-    proc = lab("run", "all", "-p", "seed", "2", "--out", str(tmp_path), nbdir=nbdir)
+    proc = lab("run", "01_good", "02_claim", "03_crash", "-p", "seed", "2", "--out", str(tmp_path), nbdir=nbdir)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # one failed claim, one crash
     recs = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
     good, claim, crash = recs["01_good"], recs["02_claim"], recs["03_crash"]
@@ -67,6 +68,15 @@ def test_run_all_writes_records_pages_and_index(nbdir, tmp_path):
     index = (tmp_path / "index.html").read_text()
     assert all(s in index for s in ("01_good", "02_claim", "03_crash", "passed", "failed", "error"))
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.timeout(300)
+def test_a_run_that_checks_no_claim_reads_measured_not_passed(nbdir, tmp_path):
+    proc = lab("run", "04_measured", "--out", str(tmp_path), nbdir=nbdir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rec = json.loads((tmp_path / "04_measured.json").read_text())
+    assert rec["status"] == "measured" and rec["claims"] == [] and rec["metrics"] == {"m": {"a": 1}}
+    assert "measured" in proc.stdout and '<td class="measured">measured</td>' in (tmp_path / "index.html").read_text()
 
 
 @pytest.mark.timeout(300)
@@ -129,7 +139,7 @@ def test_bad_names_and_parameters_write_nothing(nbdir, tmp_path):
 
 def test_resolve_and_parse(nbdir):
     assert [p.stem for p in resolve(["claim", "01_good"], nbdir)] == ["02_claim", "01_good"]
-    assert len(resolve(["all"], nbdir)) == 3
+    assert len(resolve(["all"], nbdir)) == 4
     assert [parse_value(v) for v in ("3", "0.5", "True", "none", "smoke", "org/model")] == \
         [3, 0.5, True, None, "smoke", "org/model"]
 

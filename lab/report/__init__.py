@@ -154,6 +154,7 @@ tr.coming td, tr.not-run td { color: #888; }
 .passed, .ok { color: #1a7f37; font-weight: 600; }
 .failed, .bad { color: #cf222e; font-weight: 600; }
 .error { color: #bc4c00; font-weight: 600; }
+.measured { color: #0969da; font-weight: 600; }
 small.params, small.note { display: block; font-weight: normal; color: #444; }
 details summary { cursor: pointer; }
 details li { font-weight: normal; }
@@ -353,7 +354,8 @@ def build_index(out_dir: Path, notebooks: Path | None = None) -> Path:
     total = sum(r["seconds"] for r in records.values() if isinstance(r.get("seconds"), (int, float)))
     built = sum((notebooks / f"{p.stem}.ipynb").exists() for p in PAPERS)
     when = datetime.now().astimezone().isoformat(timespec="seconds")
-    summary = f"{len(records)} notebooks run, {passed} passed"
+    measured = sum(r["status"] == "measured" for r in records.values())
+    summary = f"{len(records)} notebooks run, {passed} passed" + (f", {measured} measured (no claims)" * bool(measured))
     if controls:
         summary += (f", {len(controls)} control run{'s' * (len(controls) != 1)} "
                     f"({sum(c['ok'] for c in controls)} broke every claim named)")
