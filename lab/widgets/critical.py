@@ -16,7 +16,8 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from lab.align.cdpo import Grade, ce_scores, replacement
+from lab.align.cdpo import Grade, ce_scores
+from lab.align.critical_tokens import replacement
 from lab.models.sample import pass_at_k
 from lab.widgets.figures import lines, show_in
 
@@ -107,8 +108,9 @@ def critical_explorer(pos, neg, tokenizer, prompts: torch.Tensor, responses: tor
                       pass_k: PassK | None = None, labels: Sequence[str] | None = None, beta: float = 1.0):
     """Live panel over rejected trajectories `responses` (n, L) of `prompts` (n, P).
 
-    `rollouts` (n, L − 1) and `critical` (n,) come from `cdpo.rollout_correctness` / `critical_token` (c_t for the
-    proper prefixes y_≤t only: the full trajectory is not rolled out, so the last token has no point);
+    `rollouts` (n, L − 1) and `critical` (n,) come from `lab.align.critical_tokens.rollout_correctness` /
+    `critical_token` (c_t for the proper prefixes y_≤t only: the full trajectory is not rolled out, so the last
+    token has no point);
     `pass_k(i, t)` returns ({k: Pass@k} with y_t kept, {k: Pass@k} with y_t replaced), cached here.
     Test hooks: `.figure`, `.readout`, `.controls`, `.scores` (the last s, (L,))."""
     import ipywidgets as w

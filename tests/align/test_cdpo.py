@@ -6,33 +6,16 @@ from dataclasses import FrozenInstanceError, replace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from lab.align import LOSSES
 from lab.align import cdpo as C
+from lab.align import critical_tokens as CT
 from lab.align.train import response_logps
 from lab.data.arith import TrickyArithmetic
 from lab.models import TrainConfig, fit, tiny_llama
-from lab.models.sample import mean_pass_at_k, pass_at_k
+from lab.models.sample import mean_pass_at_k, pass_at_k, sample
 
-V = 12
-
-
-class Stub(nn.Module):
-    """A causal LM whose next-token logits depend only on the last token: logits = table[last]."""
-
-    def __init__(self, table: torch.Tensor):
-        super().__init__()
-        self.table = nn.Parameter(table.float())
-
-    def forward(self, input_ids):
-        return type("Out", (), {"logits": self.table[input_ids]})()
-
-
-def always(token: int, sharp: float = 20.0) -> Stub:
-    table = torch.zeros(V, V)
-    table[:, token] = sharp
-    return Stub(table)
+from .stubs import V, always
 
 
 def rand_logps(B=4, L=5, seed=0):
@@ -80,14 +63,6 @@ def test_pass_at_k_matches_brute_force():
         assert pass_at_k(n, c, k) == pytest.approx(brute)
 
 
-def test_critical_token_rule():
-    c = torch.tensor([[0.8, 0.5, 0.0, 0.0, 0.0],  # first zero with nothing after it -> 2
-                      [0.3, 0.0, 0.10, 0.0, 0.0],  # a later prefix recovers 10% > 5%: reset -> 3
-                      [0.3, 0.0, 0.04, 0.0, 0.0],  # 4% < 5%: still 1
-                      [0.9, 0.9, 0.9, 0.9, 0.9]])  # never zero -> -1
-    assert C.critical_token(c).tolist() == [2, 3, 1, -1]
-
-
 def test_selection_follows_the_official_rules():
     # answers of 10 samples; correct answer 7 (never -1)
     answers = torch.tensor([[7, 3, 3, 3, 5, 5, 2, 7, -1, 4],
@@ -124,38 +99,11 @@ def test_ce_scores_equal_the_log_prob_formula_and_flag_the_negative_models_token
     assert int(C.ce_scores(always(7), always(5), torch.tensor([[1, 2]]), y).argmin()) != 2
 
 
-def test_rollouts_and_replacement_with_a_deterministic_model():
-    model = always(5)
-    y = torch.tensor([[5, 5, 3, 5], [5, 5, 5, 5]])
-    prompts = torch.tensor([[1, 2], [1, 2]])
-    grade = lambda rows, r: (r == 5).all(-1)  # correct = all fives
-    g = torch.Generator().manual_seed(0)
-    c = C.rollout_correctness(model, prompts, y, grade, K=4, generator=g, temperature=0)
-    assert c.tolist() == [[1, 1, 0], [1, 1, 1]]  # proper prefixes only: no column for the full trajectory
-    assert C.critical_token(c).tolist() == [2, -1]
-    kept, swapped = C.replacement(model, prompts[:1], y[:1], torch.tensor([2]), grade, K=4, generator=g)
-    assert not kept.any() and swapped.all()  # banning the 3 leaves the model's 5, and all rollouts recover
-    kept, swapped = C.replacement(model, prompts[:1], y[:1], torch.tensor([1]), grade, K=4, generator=g)
-    assert not swapped.any()  # banning a correct 5 forces a mistake
-
-
-def test_a_wrong_last_token_alone_gives_no_critical_token():
-    """The full trajectory is not its own rollout: y = 5 5 5 3 is wrong only by its last token, every proper prefix
-    rolls out to all fives (correct), so no critical token exists. Grading y itself at t = L − 1 (c = 0 there)
-    would always find one, at the last position."""
-    y, x = torch.tensor([[5, 5, 5, 3]]), torch.tensor([[1, 2]])
-    grade = lambda rows, r: (r == 5).all(-1)
-    c = C.rollout_correctness(always(5), x, y, grade, K=4, generator=torch.Generator().manual_seed(0))
-    assert c.tolist() == [[1, 1, 1]] and C.critical_token(c).tolist() == [-1]
-    st = C.rollout_study(always(5), x, y, grade, K=4, operations=(0, 2), generator=torch.Generator().manual_seed(0))
-    assert st.found.tolist() == [False] and st.on_operation == 0.0 and st.positions == [0, 0, 0, 0]
-
-
 def test_sample_shapes_greedy_and_ban():
     g = torch.Generator().manual_seed(0)
     out = C.sample_responses(always(5), torch.tensor([[1, 2], [3, 4]]), 3, 4, generator=g)
     assert out.shape == (2, 3, 4) and (out == 5).all()
-    banned = C.sample(always(5), torch.tensor([[1, 2]]), 2, generator=g, temperature=0, ban=torch.tensor([5]))
+    banned = sample(always(5), torch.tensor([[1, 2]]), 2, generator=g, temperature=0, ban=torch.tensor([5]))
     assert banned[0, 0] != 5 and banned[0, 1] == 5
 
 
@@ -235,8 +183,8 @@ def test_controls_substitute_exactly_what_they_name():
     assert as_dpo.item() == pytest.approx(dpo.item(), abs=1e-6)
     assert C.arm_loss("cdpo", pi_w, ref_w, pi_l, ref_l, w, gamma=0.3).item() != pytest.approx(dpo.item(), abs=1e-3)
     c = torch.tensor([[0.5, 0.0, 0.0, 0.0, 0.0]] * 200)
-    assert (C.critical_or_random(c) == 1).all()
-    rnd = C.critical_or_random(c, "random_token", generator=torch.Generator().manual_seed(0))
+    assert (CT.critical_or_random(c) == 1).all()
+    rnd = CT.critical_or_random(c, "random_token", generator=torch.Generator().manual_seed(0))
     assert rnd.shape == (200,) and set(rnd.tolist()) == set(range(5))
     with pytest.raises(ValueError, match="not a control"):
         C.ce_models(pos, neg, "swap_ce")
@@ -285,39 +233,6 @@ def test_mean_pass_at_k_matches_brute_force():
         brute = [sum(any(row[i] for i in sub) for sub in itertools.combinations(range(4), k))
                  / math.comb(4, k) for row in ok.tolist()]
         assert mean_pass_at_k(ok, [k])[0] == pytest.approx(sum(brute) / 3)
-
-
-def test_rollout_study_by_hand():
-    """`always(5)`, correct = all fives: row 0 turns wrong at its 3 (position 2), row 1 never does."""
-    model, grade = always(5), lambda rows, r: (r == 5).all(-1)
-    y, x = torch.tensor([[5, 5, 3, 5], [5, 5, 5, 5]]), torch.tensor([[1, 2], [1, 2]])
-    st = C.rollout_study(model, x, y, grade, K=4, operations=(0, 2), generator=torch.Generator().manual_seed(0))
-    assert st.c.tolist() == [[1, 1, 0], [1, 1, 1]] and st.critical.tolist() == [2, -1]
-    assert st.found.tolist() == [True, False] and st.ks == [1, 2, 4] and st.positions == [0, 0, 1, 0]
-    assert st.pass_k == {"critical token kept": [0.0, 0.0, 0.0], "critical token replaced": [1.0, 1.0, 1.0]}
-    assert st.on_operation == 0.5  # of both trajectories: row 1 has no critical token
-    other = C.rollout_study(model, x, y, grade, K=4, operations=(0, 1), generator=torch.Generator().manual_seed(0))
-    assert other.on_operation == 0.0
-    rnd = C.rollout_study(model, x, y, grade, K=4, operations=(0, 2), control="random_token",
-                          generator=torch.Generator().manual_seed(0))
-    assert rnd.found.all() and rnd.c.tolist() == st.c.tolist()  # a position for every row, the same c_t
-
-
-def test_ce_agreement_by_hand():
-    """P_p writes 5, P_n writes 7: argmin s_t is the 7 of each rejected trajectory; with them swapped (or β's sign
-    flipped) it is the first 5. Row 3 has no critical token and does not count."""
-    y = torch.tensor([[5, 7, 5], [5, 5, 7], [7, 5, 5], [5, 5, 5]])
-    chosen = torch.tensor([[5, 5, 5], [5, 7, 7], [5, 5, 5], [5, 5, 5]])  # row 1 leaves the chosen at 1, not 2
-    x = torch.ones(4, 1, dtype=torch.long)
-    s = C.ce_scores(always(5), always(7), x, y)
-    study = C.Rollouts(torch.zeros(4, 2), torch.tensor([1, 2, 0, 2]), torch.tensor([True, True, True, False]), [1], {},
-                       [], 0.0)
-    got = C.ce_agreement(always(5), always(7), s, x, y, chosen, study, beta=1.0)
-    # P_p alone puts probability ~0 on every 7: its argmin is the 7 too
-    assert got == {"CE (β = 1)": 1.0, "P_p alone (β = 0)": 1.0, "β sign flipped": 0.0, "P_p / P_n swapped": 0.0,
-                   "first token differing from the chosen": pytest.approx(2 / 3)}
-    assert list(got) == ["CE (β = 1)", "P_p alone (β = 0)", "β sign flipped", "P_p / P_n swapped",
-                         "first token differing from the chosen"]
 
 
 def test_best_lrs_by_run_and_chosen_drop_by_hand():
