@@ -17,6 +17,8 @@ from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
     PreTrainedModel,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
 )
 
 
@@ -49,6 +51,25 @@ def tiny_mixtral(*, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_hea
     return MixtralForCausalLM(cfg)
 
 
+def tiny_qwen2_moe(*, vocab_size: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+                   d_ff: int | None = None, n_experts: int = 4, top_k: int = 2, d_shared: int | None = None,
+                   max_len: int = 128) -> Qwen2MoeForCausalLM:
+    """Qwen-MoE-style sparse decoder: `n_experts` routed SwiGLU experts of width `d_ff` (top-`top_k`, renormalised)
+    plus a shared expert of width `d_shared` (default 2·d_ff) behind a sigmoid gate, in every layer.
+
+    Fused experts as in Mixtral (`mlp.experts.gate_up_proj`, `down_proj`), router `mlp.gate`, shared expert
+    `mlp.shared_expert` with `mlp.shared_expert_gate`; the expert count is `config.num_experts`.
+    """
+    d_ff = d_ff or 2 * d_model
+    cfg = Qwen2MoeConfig(vocab_size=vocab_size, hidden_size=d_model, intermediate_size=d_shared or 2 * d_ff,
+                         moe_intermediate_size=d_ff, shared_expert_intermediate_size=d_shared or 2 * d_ff,
+                         num_hidden_layers=n_layers, num_attention_heads=n_heads, num_key_value_heads=n_heads,
+                         num_experts=n_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                         decoder_sparse_step=1, max_position_embeddings=max_len, tie_word_embeddings=False,
+                         attn_implementation="eager")
+    return Qwen2MoeForCausalLM(cfg)
+
+
 def tiny_mamba2(*, vocab_size: int, d_model: int = 64, n_layers: int = 2, d_state: int = 16,
                 head_dim: int = 16, expand: int = 2, chunk_size: int = 16) -> Mamba2ForCausalLM:
     """Mamba-2 SSM (selective state space, one group); expand·d_model = n_heads·head_dim.
@@ -68,6 +89,7 @@ ZOO: dict[str, Callable[..., PreTrainedModel]] = {
     "llama": tiny_llama,
     "mixtral": tiny_mixtral,
     "mamba2": tiny_mamba2,
+    "qwen2_moe": tiny_qwen2_moe,
 }
 
 
