@@ -1,0 +1,491 @@
+"""Olica: orthogonal neuron decomposition + linear calibration, structured pruning without retraining.
+
+He & Lin, "Olica: Efficient Structured Pruning of Large Language Models without Retraining", ICML 2025
+(arXiv 2506.08436); official code BetterTMrR/LLM-Olica (`model_pruning.py`, `utils/llama_utils.py`, `utils/utils.py`).
+Conventions follow the official code where it is more specific than the paper's text:
+
+- **Fast OND** (Sec. 3.2, `fast_OND`): per head h, A = diag(√e_out)·W_o^h with e_out the o_proj output energies;
+  SVD(A) = U S Qᵀ; W_v^h ← Q W_v^h and W_o^h ← diag(1/√e_out)·U S. The product W_o^h W_v^h is unchanged (an exact
+  re-parameterisation); the new value neurons are orthogonal in the output-energy norm and sorted by S.
+  **Full OND** (the paper's PCA of the d×d product): SVD of diag(√e_out) W_o^h W_v^h diag(√e_in), kept at rank d_h.
+- **V/O pruning**: neuron j scored I_j = ‖Ŵ_v[j]⊙√s_vin‖ + ‖Ŵ_o[:, j]‖·√s_oin_j; every head keeps the same count.
+- **Q/K under RoPE**: activation-weighted truncated SVD, min ‖(W − W2 W1) D‖_F with D = diag(√s_in), rank
+  r = ⌈(1 − s_qk)·d/2⌉ per projection.
+- **FFN** (`thinner_mlp`): ‖W_up[j]⊙√s_in‖ + ‖W_gate[j]⊙√s_in‖ + ‖W_down[:, j]‖·√s_mid_j, ascending; the official
+  quirk keeps the lowest 1 % and prunes the next ones.
+- **Linear calibration** (Sec. 3.3, `solve`): ridge Ŵ = (XᵀX + λI)⁻¹XᵀE of the residual E = f(X) − f̂(X) of the
+  pruned MLP, λ = percdamp·mean diag(XᵀX)/((n/128)(L/128)); columns weighted by w_j = sigmoid((ρ_j − ρ̄)/0.05)
+  (ρ_j: Pearson correlation of (XŴ)_j with E_j; clamped from below), Ŵ·diag(w) = U S Vᵀ, W1 = U_r S_r,
+  W2 = V_rᵀ diag(1/w), r = ⌊ratio·d⌋.
+- **Layer selection**: on the dense model, ridge-fit each MLP's output from its input, score 1 − mean over output
+  columns of the Pearson correlation of fit and output; the `mlp_num` lowest are calibrated, never the last layer.
+- **sr_allocation** (k = 3): s_qk = 2s, s_vp = 2s/(1+k) for s ≤ 0.4; the FFN takes the rest of the budget.
+  Here the budget also pays for the LC terms, so every method has the same parameter count (the official code adds
+  them on top, ≈ 0.1 % at its defaults).
+- **Two passes**: pass 1 rotates every layer and scores it on the dense stream; pass 2 prunes layer by layer, each
+  layer seeing the already pruned upstream layers.
+
+The result is an `OlicaLlamaForCausalLM` (`lab.compress.pruned_llama`): a `LlamaForCausalLM` subclass, because a
+plain Llama cannot hold value heads narrower than Q/K heads, rank-r Q/K or the LC term. Baselines at the same sizes:
+random structured pruning, Wanda-sp (|W|·‖X‖ group sums on the raw neurons, unweighted SVD for Q/K), plain unweighted
+SVD everywhere in attention, Fast OND without LC, full OND.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from lab.compress import pruned_llama as om
+from lab.compress.pruned_llama import OlicaLlamaConfig, OlicaLlamaForCausalLM, param_table  # noqa: F401 (registers)
+from lab.models.spec import TinyLM
+
+CONTROLS = ("random", "no_lc")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one method prunes: rotation ("fast" | "full" | "plain" | "none"), Q/K ("weighted" | "plain" | "random"),
+    V/O scores ("olica" | "singular" | "wanda" | "random"), FFN scores ("olica" | "wanda" | "random"), LC on/off."""
+
+    rotate: str = "fast"
+    qk: str = "weighted"
+    vo: str = "olica"
+    ffn: str = "olica"
+    lc: bool = True
+
+
+METHODS = {"Olica (Fast-OND + LC)": Recipe(), "Fast-OND (no LC)": Recipe(lc=False),
+           "full OND + LC": Recipe(rotate="full"), "plain SVD": Recipe("plain", "plain", "singular", "olica", False),
+           "Wanda-sp": Recipe("none", "plain", "wanda", "wanda", False),
+           "random": Recipe("none", "random", "random", "random", False)}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: TinyLM = TinyLM("llama", d_model=64, n_layers=4, n_heads=4, max_len=128, d_ff=192, steps=400,
+                         batch_size=24)
+    n_calib: int = 32  # calibration sequences (the 4-sample variant: n_small)
+    n_small: int = 4
+    n_eval: int = 128  # held-out sequences for perplexity
+    s: float = 0.33  # target sparsity of all parameters
+    sparsities: tuple[float, ...] = (0.2, 0.25, 0.33)
+    k: float = 3.0  # sr_allocation
+    mlp_num: int = 3  # calibrated FFN layers (all but the last; official default 6 of 32)
+    lc_ratio: float = 0.1  # LC rank r = ⌊ratio·d⌋ (official default 0.03; the paper also reports 0.15)
+    percdamp: float = 0.5
+    vo_keep: float = 0.5  # per-head keep ratio of the V/O error comparison
+    method: str = "Olica (Fast-OND + LC)"  # what the claims call Olica (control `random`: the random baseline)
+    ond: str = "fast"  # rotation of the V/O error comparison (control `random`: none, random neurons)
+    ond_score: str = "olica"
+    lc: bool = True  # control `no_lc`: the LC term is dropped from Olica
+    seqlen: int = 64
+
+    @classmethod
+    def for_scale(cls, scale: str = "smoke", control: str = "") -> Config:
+        if control and control not in CONTROLS:
+            raise ValueError(f"unknown control {control!r}; use one of {', '.join(CONTROLS)}.")
+        cfg = cls() if scale == "smoke" else cls(model=replace(cls().model, steps=2000), n_calib=128, n_eval=512)
+        if control == "random":
+            cfg = replace(cfg, method="random", ond="none", ond_score="random")
+        return replace(cfg, lc=control != "no_lc")
+
+    def recipe(self, name: str) -> Recipe:
+        r = METHODS[name]
+        return replace(r, lc=r.lc and self.lc) if name == self.method else r
+
+
+# ------------------------------------------------------------------------------------------ the decompositions
+
+def fast_ond(w_v: torch.Tensor, w_o: torch.Tensor, e_out: torch.Tensor, H: int):
+    """Fast OND of one layer: W_v (H·d_h, d), W_o (d, H·d_h), e_out (d,) -> rotated (W_v, W_o) and S (H, d_h)."""
+    w_v, w_o = w_v.float().clone(), w_o.float().clone()
+    dh, g = w_v.shape[0] // H, e_out.float().clamp_min(1e-12).sqrt()[:, None]  # (d, 1) √e_out
+    S = []
+    for h in range(H):
+        rows = slice(h * dh, (h + 1) * dh)
+        U, s, Qt = torch.linalg.svd(g * w_o[:, rows], full_matrices=False)  # (d, d_h), (d_h,), (d_h, d_h)
+        w_v[rows], w_o[:, rows] = Qt @ w_v[rows], U * s / g
+        S.append(s)
+    return w_v, w_o, torch.stack(S)
+
+
+def full_ond(w_v: torch.Tensor, w_o: torch.Tensor, e_out: torch.Tensor, e_in: torch.Tensor, H: int):
+    """OND by the SVD of each weighted d×d product diag(√e_out) W_o^h W_v^h diag(√e_in), kept at rank d_h."""
+    w_v, w_o = w_v.float().clone(), w_o.float().clone()
+    dh = w_v.shape[0] // H
+    g, c = e_out.float().clamp_min(1e-12).sqrt()[:, None], e_in.float().clamp_min(1e-12).sqrt()[None]
+    S = []
+    for h in range(H):
+        rows = slice(h * dh, (h + 1) * dh)
+        U, s, Vt = torch.linalg.svd(g * (w_o[:, rows] @ w_v[rows]) * c)  # (d, d), (d,), (d, d)
+        w_v[rows], w_o[:, rows] = Vt[:dh] / c, U[:, :dh] * s[:dh] / g
+        S.append(s[:dh])
+    return w_v, w_o, torch.stack(S)
+
+
+def weighted_svd(w: torch.Tensor, s_in: torch.Tensor | None, r: int):
+    """min ‖(W − W2 W1) D‖_F, D = diag(√s_in) (None: unweighted) -> W1 (r, d), W2 (out, r)."""
+    D = torch.ones(w.shape[1]) if s_in is None else s_in.float().sqrt()
+    D = D.to(w.device).clamp_min(1e-6 * D.max())
+    U, S, Vt = torch.linalg.svd(w.float() * D, full_matrices=False)
+    return Vt[:r] / D, U[:, :r] * S[:r]
+
+
+def ridge(X: torch.Tensor, E: torch.Tensor, percdamp: float, n_samples: int, seqlen: int) -> torch.Tensor:
+    """Ŵ = (XᵀX + λI)⁻¹ XᵀE with the official damping λ = percdamp·mean diag(XᵀX)/((n/128)(L/128))."""
+    X, E = X.double(), E.double()
+    G = X.T @ X
+    lam = percdamp * G.diagonal().mean() / ((n_samples / 128) * (seqlen / 128))
+    L = torch.linalg.cholesky(G + (lam + 1e-10 * G.diagonal().mean()) * torch.eye(len(G), dtype=G.dtype,
+                                                                                 device=G.device))
+    return torch.cholesky_solve(X.T @ E, L).float()
+
+
+def lc_factors(X: torch.Tensor, E: torch.Tensor, W: torch.Tensor, r: int, tau: float = 0.05, w_min: float = 0.05):
+    """Low-rank LC: column weights w from the per-column correlations, W·diag(w) = U S Vᵀ -> W1 (d, r), W2 (r, d)."""
+    P = X.float() @ W
+    Pc, Ec = P - P.mean(0), E.float() - E.float().mean(0)
+    rho = (Pc * Ec).sum(0) / (Pc.norm(dim=0) * Ec.norm(dim=0)).clamp_min(1e-12)  # Pearson ρ_j
+    w = torch.sigmoid((rho - rho.mean()) / tau).clamp_min(w_min)
+    U, S, Vt = torch.linalg.svd(W * w, full_matrices=False)
+    return U[:, :r] * S[:r], Vt[:r] / w, w
+
+
+def sr_allocation(s: float, k: float = 3.0) -> tuple[float, float]:
+    """(s_qk, s_vp): Q/K low-rank and V/O neuron sparsities of the official `sr_allocation`."""
+    s_vp = 2 * s / (1 + k)
+    return (2 * s if s <= 0.4 else k * s_vp), s_vp
+
+
+@dataclass(frozen=True)
+class Plan:
+    r_qk: int
+    d_v: int
+    d_ff: int
+    lc_layers: tuple[int, ...]
+    r_lc: int
+
+
+def make_plan(model: nn.Module, s: float, k: float, lc_layers=(), lc_ratio: float = 0.03) -> Plan:
+    """Sizes that remove the fraction s of *all* parameters (embeddings included), LC terms paid by the FFN."""
+    c = model.config
+    d, H, L, F = c.hidden_size, c.num_attention_heads, c.num_hidden_layers, c.intermediate_size
+    dh = d // H
+    s_qk, s_vp = sr_allocation(s, k)
+    r, dv, r_lc = math.ceil((1 - s_qk) * d / 2), round((1 - s_vp) * dh), int(lc_ratio * d)
+    total = om.n_params(model)
+    fixed = total - L * (4 * d * d + 3 * d * F)  # embeddings, head, norms
+    mlp = (1 - s) * total - fixed - L * (4 * r * d + 2 * d * H * dv) - 2 * d * r_lc * len(lc_layers)
+    return Plan(r, dv, max(1, min(F, round(mlp / (3 * d * L)))), tuple(lc_layers), r_lc)
+
+
+# ---------------------------------------------------------------------------------------------- the passes
+
+class _Stop(Exception):
+    pass
+
+
+def block_inputs(model: nn.Module, ids: torch.Tensor):
+    """(hidden states entering block 0, the keyword arguments every block gets: mask, RoPE, positions)."""
+    got = {}
+
+    def hook(mod, args, kwargs):
+        got["x"] = args[0] if args else kwargs.pop("hidden_states")
+        got["kw"] = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "use_cache")}
+        raise _Stop
+
+    h = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(input_ids=ids, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        h.remove()
+    return got["x"], got["kw"]
+
+
+@contextmanager
+def taps(mods: dict[str, nn.Module]):
+    """Capture (input, output) of each named module on the next forward."""
+    got, hs = {}, []
+    for n, m in mods.items():
+        hs.append(m.register_forward_hook(lambda mod, i, o, n=n: got.__setitem__(n, (i[0].detach(), o.detach()))))
+    try:
+        yield got
+    finally:
+        for h in hs:
+            h.remove()
+
+
+def run_block(block: nn.Module, x: torch.Tensor, kw: dict) -> torch.Tensor:
+    out = block(x, **kw)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def energy(x: torch.Tensor) -> torch.Tensor:
+    """Per-channel mean square over all tokens (the official `scaler_row`, up to a constant)."""
+    return x.float().flatten(0, -2).pow(2).mean(0)
+
+
+def rotate(attn: nn.Module, how: str, e_out: torch.Tensor, e_in: torch.Tensor, H: int) -> None:
+    """Re-parameterise V/O of one attention module in place (exact: the function is unchanged)."""
+    if how == "none":
+        return
+    wv, wo = attn.v_proj.weight, attn.o_proj.weight
+    new = full_ond(wv, wo, e_out, e_in, H) if how == "full" else fast_ond(wv, wo, torch.ones_like(e_out)
+                                                                          if how == "plain" else e_out, H)
+    with torch.no_grad():
+        wv.copy_(new[0]), wo.copy_(new[1])
+
+
+def vo_scores(attn: nn.Module, how: str, s_vin, s_oin, g: torch.Generator) -> torch.Tensor:
+    wv, wo = attn.v_proj.weight.float(), attn.o_proj.weight.float()
+    if how == "olica":
+        return (wv * s_vin.sqrt()).norm(dim=1) + wo.norm(dim=0) * s_oin.sqrt()
+    if how == "wanda":
+        return (wv.abs() * s_vin.sqrt()).sum(1) + (wo.abs() * s_oin.sqrt()).sum(0)
+    if how == "singular":
+        return wo.norm(dim=0)
+    return torch.rand(wv.shape[0], generator=g).to(wv.device)
+
+
+def prune_vo(attn: nn.Module, scores: torch.Tensor, H: int, d_v: int) -> None:
+    """Keep the d_v best-scored value neurons of every head (the same count in each)."""
+    dh = scores.numel() // H
+    keep = torch.cat([h * dh + scores.view(H, dh)[h].topk(d_v).indices.sort().values for h in range(H)])
+    attn.v_proj = om.set_linear(attn.v_proj, attn.v_proj.weight[keep])
+    attn.o_proj = om.set_linear(attn.o_proj, attn.o_proj.weight[:, keep])
+    attn.v_head_dim = d_v
+
+
+def ffn_scores(mlp: nn.Module, how: str, s_in, s_mid, g: torch.Generator) -> torch.Tensor:
+    up, gate, down = mlp.up_proj.weight.float(), mlp.gate_proj.weight.float(), mlp.down_proj.weight.float()
+    if how == "olica":
+        return (up * s_in.sqrt()).norm(dim=1) + (gate * s_in.sqrt()).norm(dim=1) + down.norm(dim=0) * s_mid.sqrt()
+    if how == "wanda":
+        return ((up.abs() + gate.abs()) * s_in.sqrt()).sum(1) + (down.abs() * s_mid.sqrt()).sum(0)
+    return torch.rand(up.shape[0], generator=g).to(up.device)
+
+
+def ffn_keep(scores: torch.Tensor, n_keep: int, protect: float = 0.01) -> torch.Tensor:
+    """Indices kept: ascending order, the lowest `protect` fraction kept (official quirk), the next ones pruned."""
+    order, F = scores.argsort(), scores.numel()
+    p = int(protect * F) if n_keep >= int(protect * F) else 0
+    pruned = order[p:p + F - n_keep]
+    mask = torch.ones(F, dtype=torch.bool, device=scores.device)
+    mask[pruned] = False
+    return mask.nonzero().squeeze(1)
+
+
+def mlp_predictability(X: torch.Tensor, Y: torch.Tensor, percdamp: float, n: int, seqlen: int) -> float:
+    """The official layer score (`fast_OND`): 1 − mean over output columns j of the Pearson correlation ρ_j between
+    the ridge fit of Y from X and Y (low: linear). Not the per-token cosine `solve` also returns (unused there)."""
+    P = X.float() @ ridge(X, Y, percdamp, n, seqlen)
+    Pc, Yc = P - P.mean(0), Y.float() - Y.float().mean(0)
+    rho = (Pc * Yc).sum(0) / (Pc.norm(dim=0) * Yc.norm(dim=0)).clamp_min(1e-12)
+    return 1 - rho.mean().item()
+
+
+@torch.no_grad()
+def prune(model: nn.Module, calib: torch.Tensor, s: float, recipe: Recipe, cfg: Config, *, held_out=None, seed=0):
+    """Olica (or a baseline recipe) on a copy of `model` -> (OlicaLlamaForCausalLM, info)."""
+    t0, g = time.perf_counter(), torch.Generator().manual_seed(seed)
+    m = om.from_llama(model) if not isinstance(model, OlicaLlamaForCausalLM) else copy.deepcopy(model)
+    c, blocks = m.config, m.model.layers
+    H, n, T = c.num_attention_heads, calib.shape[0], calib.shape[1]
+    x, kw = block_inputs(m, calib)
+    scores = []
+    for b in blocks:  # pass 1: dense stream, rotation + layer scores
+        with taps({"v": b.self_attn.v_proj, "o": b.self_attn.o_proj, "mlp": b.mlp}) as t:
+            x = run_block(b, x, kw)
+        X, Y = t["mlp"][0].flatten(0, -2), t["mlp"][1].flatten(0, -2)
+        scores.append(mlp_predictability(X, Y, cfg.percdamp, n, T))
+        rotate(b.self_attn, recipe.rotate, energy(t["o"][1]), energy(t["v"][0]), H)
+    order = sorted(range(len(blocks) - 1), key=lambda j: scores[j])
+    plan = make_plan(model, s, cfg.k, sorted(order[:cfg.mlp_num]) if recipe.lc else (), cfg.lc_ratio)
+    x, kw = block_inputs(m, calib)
+    xe, kwe = block_inputs(m, held_out) if held_out is not None else (None, None)
+    lc_res = {}
+    for i, b in enumerate(blocks):  # pass 2: the pruned upstream stream
+        a, f = b.self_attn, b.mlp
+        with taps({"v": a.v_proj, "o": a.o_proj, "mlp": f, "mid": f.down_proj}) as t:
+            run_block(b, x, kw)
+        s_vin, s_oin, X = energy(t["v"][0]), energy(t["o"][0]), t["mlp"][0].flatten(0, -2)
+        for name in ("q_proj", "k_proj"):
+            w = getattr(a, name).weight
+            if recipe.qk == "random":
+                P = torch.linalg.qr(torch.randn(w.shape[1], plan.r_qk, generator=g))[0].to(w.device)
+                w1, w2 = P.T, w.float() @ P
+            else:
+                w1, w2 = weighted_svd(w, s_vin if recipe.qk == "weighted" else None, plan.r_qk)
+            lr = om.low_rank(w.shape[1], plan.r_qk, w.shape[0]).to(w.device, w.dtype)
+            lr[0].weight.copy_(w1), lr[1].weight.copy_(w2)
+            setattr(a, name, lr)
+        prune_vo(a, vo_scores(a, recipe.vo, s_vin, s_oin, g), H, plan.d_v)
+        dense = copy.deepcopy(f)
+        keep = ffn_keep(ffn_scores(f, recipe.ffn, energy(X), energy(t["mid"][0]), g), plan.d_ff,
+                        0.01 if recipe.ffn == "olica" else 0.0)
+        f.gate_proj, f.up_proj = om.set_linear(f.gate_proj, f.gate_proj.weight[keep]), om.set_linear(
+            f.up_proj, f.up_proj.weight[keep])
+        f.down_proj, f.intermediate_size = om.set_linear(f.down_proj, f.down_proj.weight[:, keep]), len(keep)
+        if i in plan.lc_layers:
+            W = ridge(X, dense(X) - f(X), cfg.percdamp, n, T)
+            w1, w2, _ = lc_factors(X, dense(X) - f(X), W, plan.r_lc)
+            f.lc = om.low_rank(X.shape[1], plan.r_lc, X.shape[1]).to(X.device, X.dtype)
+            f.lc[0].weight.copy_(w1.T), f.lc[1].weight.copy_(w2.T)
+            if xe is not None:
+                with taps({"mlp": f}) as te:
+                    run_block(b, xe, kwe)
+                Xe = te["mlp"][0].flatten(0, -2)
+                E = dense(Xe) - (te["mlp"][1].flatten(0, -2) - f.lc(Xe))
+                lc_res[i] = ((E - f.lc(Xe)).norm() / E.norm()).item()
+        x = run_block(b, x, kw)
+        xe = run_block(b, xe, kwe) if xe is not None else None
+    om.sync_config(m)
+    return m.eval(), {"plan": plan, "layer_scores": scores, "lc_residual": lc_res, "seconds": time.perf_counter() - t0}
+
+
+# ------------------------------------------------------------------------------------- measurements (toy)
+
+@torch.no_grad()
+def ppl(model: nn.Module, ids: torch.Tensor, batch: int = 64) -> float:
+    """exp(mean next-token loss) over `ids` (n, T)."""
+    losses = [model(input_ids=ids[i:i + batch], labels=ids[i:i + batch]).loss * len(ids[i:i + batch])
+              for i in range(0, len(ids), batch)]
+    return math.exp(torch.stack(losses).sum().item() / len(ids))
+
+
+@torch.no_grad()
+def ond_exactness(model: nn.Module, ids: torch.Tensor) -> dict[str, float]:
+    """Max |Δ logits| after rotating V/O of every layer (Fast OND and full OND), before any pruning."""
+    ref, out = model(input_ids=ids).logits, {}
+    for how in ("fast", "full"):
+        m = copy.deepcopy(model)
+        x, kw = block_inputs(m, ids)
+        for b in m.model.layers:
+            with taps({"v": b.self_attn.v_proj, "o": b.self_attn.o_proj}) as t:
+                x = run_block(b, x, kw)
+            rotate(b.self_attn, how, energy(t["o"][1]), energy(t["v"][0]), m.config.num_attention_heads)
+        out[how] = (m(input_ids=ids).logits - ref).abs().max().item()
+    return out
+
+
+@torch.no_grad()
+def vo_errors(model: nn.Module, ids: torch.Tensor, keep: float, how: tuple[str, str], seed: int = 0) -> list[float]:
+    """Per layer ‖attn_out_pruned − attn_out‖/‖attn_out‖ on the dense stream when only V/O is pruned to `keep`
+    of every head, after rotation how[0] ("fast" | "none") with neuron scores how[1] ("olica" | "wanda" | ...)."""
+    g, H = torch.Generator().manual_seed(seed), model.config.num_attention_heads
+    model = model if isinstance(model, OlicaLlamaForCausalLM) else om.from_llama(model)
+    x, kw = block_inputs(model, ids)
+    errs = []
+    for b in model.model.layers:
+        a = copy.deepcopy(b.self_attn)
+        with taps({"v": b.self_attn.v_proj, "o": b.self_attn.o_proj}) as t:
+            y = run_block(b, x, kw)
+        rotate(a, how[0], energy(t["o"][1]), energy(t["v"][0]), H)
+        with taps({"v": a.v_proj, "o": a.o_proj}) as t2, swap_attn(b, a):
+            run_block(b, x, kw)
+        dv = round(keep * a.v_proj.out_features / H)
+        prune_vo(a, vo_scores(a, how[1], energy(t2["v"][0]), energy(t2["o"][0]), g), H, dv)
+        with taps({"o": a.o_proj}) as t3, swap_attn(b, a):
+            run_block(b, x, kw)
+        errs.append(((t3["o"][1] - t["o"][1]).norm() / t["o"][1].norm()).item())
+        x = y
+    return errs
+
+
+@contextmanager
+def swap_attn(block: nn.Module, attn: nn.Module):
+    old = block.self_attn
+    block.self_attn = attn
+    try:
+        yield
+    finally:
+        block.self_attn = old
+
+
+@torch.no_grad()
+def head_spectra(model: nn.Module, ids: torch.Tensor) -> dict[tuple[int, int], dict[str, list[float]]]:
+    """Per (layer, head): singular values of the output-energy-weighted W_o^h (Fast OND's S) and of the full weighted
+    product W_o^h W_v^h (full OND), for the spectra explorer."""
+    x, kw, out = *block_inputs(model, ids), {}
+    H = model.config.num_attention_heads
+    for i, b in enumerate(model.model.layers):
+        with taps({"v": b.self_attn.v_proj, "o": b.self_attn.o_proj}) as t:
+            x = run_block(b, x, kw)
+        e_out, e_in = energy(t["o"][1]), energy(t["v"][0])
+        wv, wo = b.self_attn.v_proj.weight, b.self_attn.o_proj.weight
+        fast, full = fast_ond(wv, wo, e_out, H)[2], full_ond(wv, wo, e_out, e_in, H)[2]
+        for h in range(H):
+            out[i, h] = {"fast": fast[h].tolist(), "full": full[h].tolist()}
+    return out
+
+
+# ------------------------------------------------------------------------------ the toy and the checkpoint path
+
+def toy(cfg: Config, seed: int, device: str = "cpu"):
+    """(task, training run, calibration ids, held-out calibration ids, evaluation ids) of the Markov + induction toy."""
+    from lab.data.markov_induction import MarkovInduction
+
+    task = MarkovInduction(seed=seed, length=cfg.seqlen)
+    run = cfg.model.fit(task, task.vocab_size, seed=seed, device=device)
+    g = torch.Generator().manual_seed(10_000 + seed)  # calibration and evaluation: not the training stream
+    ids = [task.batch(n, g)["input_ids"].to(device) for n in (cfg.n_calib, 16, cfg.n_eval)]
+    return task, run, *ids
+
+
+def compare(model, calib, held, ev, cfg: Config, sparsities, seed: int = 0) -> dict:
+    """PPL and parameter count of every method at every sparsity (same plan sizes), plus each run's info."""
+    out = {"ppl": {}, "params": {}, "info": {}}
+    for name in METHODS:
+        rec = cfg.recipe(name)
+        runs = [prune(model, calib, s, rec, cfg, held_out=held, seed=seed) for s in sparsities]
+        out["ppl"][name] = [ppl(m, ev) for m, _ in runs]
+        out["params"][name] = [om.n_params(m) for m, _ in runs]
+        out["info"][name] = [i for _, i in runs]
+    return out
+
+
+def checkpoint(path: str, data: str, cfg: Config, device: str = "cpu", n_blocks: int = 160):
+    """(model, tokenizer, calibration ids, held-out ids) of a Llama-family checkpoint (`load_model`) with text
+    `data` (`lab.data.text`) cut into blocks of `cfg.seqlen` tokens; the last quarter of the blocks is held out."""
+    from lab.core.params import ParamError
+    from lab.data.text import load_texts, token_blocks
+    from lab.models import load_model
+
+    if not data:
+        raise ParamError("the checkpoint path needs calibration text: pass data=<a .txt/.jsonl file or a datasets "
+                         "name>.")
+    model, tok = load_model(path, device=device, dtype=torch.float32)
+    if model.config.model_type != "llama" or tok is None:
+        raise ParamError(f"model={path!r} is a {model.config.model_type!r} model (or has no tokenizer); Olica here "
+                         "prunes Llama-family checkpoints (LlamaForCausalLM with a tokenizer).")
+    blocks = token_blocks(load_texts(data, seed=0), tok, n_blocks, cfg.seqlen).to(model.device)
+    n_ev = max(1, len(blocks) // 4)
+    return model, tok, blocks[:-n_ev], blocks[-n_ev:]
+
+
+def save(model: nn.Module, tokenizer, out_dir: str) -> dict:
+    """`save_pretrained` of the pruned model (and tokenizer) -> {"folder", "bytes" of its weights}."""
+    from pathlib import Path
+
+    model.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return {"folder": str(out_dir), "bytes": sum(f.stat().st_size for f in Path(out_dir).glob("*.safetensors"))}
+
+
+def without_lc(model: OlicaLlamaForCausalLM) -> OlicaLlamaForCausalLM:
+    """A copy of a pruned model with its linear-calibration terms removed (the paper's "Fast-OND" ablation row)."""
+    m = copy.deepcopy(model)
+    for b in m.model.layers:
+        b.mlp.lc = None
+    om.sync_config(m)
+    return m

@@ -1,0 +1,236 @@
+"""Olica (lab.compress.olica, lab.compress.pruned_llama) against independent references."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lab.compress import olica as ol
+from lab.compress import pruned_llama as om
+from lab.data.markov_induction import MarkovInduction
+from lab.models.zoo import tiny_llama
+
+
+def _tiny(seed=0, d=32, L=2, H=4, F=64, V=50):
+    torch.manual_seed(seed)
+    return tiny_llama(vocab_size=V, d_model=d, n_layers=L, n_heads=H, d_ff=F).eval()
+
+
+def test_fast_ond_keeps_every_head_product_and_sorts_by_weighted_norm():
+    g = torch.Generator().manual_seed(0)
+    H, dh, d = 4, 8, 32
+    wv, wo, e = torch.randn(H * dh, d, generator=g), torch.randn(d, H * dh, generator=g), torch.rand(d, generator=g)
+    nv, no, S = ol.fast_ond(wv, wo, e, H)
+    for h in range(H):
+        r = slice(h * dh, (h + 1) * dh)
+        assert torch.allclose(no[:, r] @ nv[r], wo[:, r] @ wv[r], atol=1e-4)
+        assert torch.all(S[h][:-1] >= S[h][1:])  # sorted
+        # column j of the new W_o has output-energy-weighted norm S_j, and the columns are orthogonal in that norm
+        A = e.sqrt()[:, None] * no[:, r]
+        assert torch.allclose(A.T @ A, torch.diag(S[h] ** 2), atol=1e-3)
+
+
+def test_full_ond_keeps_every_head_product():
+    g = torch.Generator().manual_seed(1)
+    H, dh, d = 2, 4, 16
+    wv, wo = torch.randn(H * dh, d, generator=g), torch.randn(d, H * dh, generator=g)
+    nv, no, S = ol.full_ond(wv, wo, torch.rand(d, generator=g) + 0.1, torch.rand(d, generator=g) + 0.1, H)
+    for h in range(H):
+        r = slice(h * dh, (h + 1) * dh)
+        assert torch.allclose(no[:, r] @ nv[r], wo[:, r] @ wv[r], atol=1e-4)
+
+
+def test_ond_rotation_leaves_the_logits_unchanged():
+    m, ids = _tiny(), torch.randint(1, 50, (3, 12))
+    exact = ol.ond_exactness(m, ids)
+    assert exact["fast"] < 1e-4 and exact["full"] < 1e-4
+
+
+def test_weighted_svd_reaches_the_eckart_young_error_and_beats_unweighted_svd_in_its_norm():
+    g = torch.Generator().manual_seed(2)
+    W, s_in, r = torch.randn(24, 16, generator=g), torch.rand(16, generator=g) * 10, 5
+    D = s_in.sqrt()
+    w1, w2 = ol.weighted_svd(W, s_in, r)
+    assert w1.shape == (r, 16) and w2.shape == (24, r)
+    sigma = torch.linalg.svdvals(W * D)
+    err = ((W - w2 @ w1) * D).pow(2).sum()
+    assert torch.allclose(err, sigma[r:].pow(2).sum(), rtol=1e-4)  # closed form: the trailing singular values
+    p1, p2 = ol.weighted_svd(W, None, r)
+    assert ((W - p2 @ p1) * D).pow(2).sum() > err
+
+
+def test_ridge_without_damping_is_least_squares_and_with_damping_the_official_formula():
+    g = torch.Generator().manual_seed(3)
+    X, E = torch.randn(200, 12, generator=g), torch.randn(200, 5, generator=g)
+    ref = torch.linalg.lstsq(X.double(), E.double()).solution.float()
+    assert torch.allclose(ol.ridge(X, E, 0.0, 128, 128), ref, atol=1e-5)
+    n, L = 4, 50  # 200 tokens as 4 sequences of 50
+    G = X.double().T @ X.double()
+    lam = 0.5 * G.diagonal().mean() / ((n / 128) * (L / 128))
+    want = torch.linalg.solve(G + lam * torch.eye(12, dtype=G.dtype), X.double().T @ E.double()).float()
+    assert torch.allclose(ol.ridge(X, E, 0.5, n, L), want, atol=1e-5)
+
+
+def test_lc_factors_are_the_weighted_truncation_and_exact_at_full_rank():
+    g = torch.Generator().manual_seed(4)
+    X, E = torch.randn(300, 8, generator=g), torch.randn(300, 8, generator=g)
+    W = ol.ridge(X, E, 0.0, 1, 1)
+    w1, w2, w = ol.lc_factors(X, E, W, 8)
+    assert torch.allclose(w1 @ w2, W, atol=1e-4)
+    w1, w2, w = ol.lc_factors(X, E, W, 3)
+    U, S, Vt = np.linalg.svd((W * w).numpy().astype(np.float64))
+    want = (U[:, :3] * S[:3]) @ Vt[:3] / w.numpy()[None]
+    assert np.allclose((w1 @ w2).numpy(), want, atol=1e-4)
+    P = X @ W
+    rho = np.array([np.corrcoef(P[:, j].numpy(), E[:, j].numpy())[0, 1] for j in range(8)])
+    assert np.allclose(w.numpy(), np.maximum(1 / (1 + np.exp(-(rho - rho.mean()) / 0.05)), 0.05), atol=1e-5)
+
+
+def test_sr_allocation_matches_the_official_rule():
+    assert ol.sr_allocation(0.2, 3) == pytest.approx((0.4, 0.1))
+    assert ol.sr_allocation(0.5, 3) == pytest.approx((0.75, 0.25))
+
+
+def test_ffn_keep_protects_the_lowest_percent_then_prunes():
+    keep = ol.ffn_keep(torch.arange(200.0), 150, 0.01)  # 1 % of 200 = 2 protected, the next 50 pruned
+    assert keep.tolist() == [0, 1] + list(range(52, 200))
+    assert ol.ffn_keep(torch.arange(10.0).flip(0), 7, 0.0).tolist() == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_every_head_keeps_the_same_value_count():
+    m = om.from_llama(_tiny())
+    a = m.model.layers[0].self_attn
+    scores = torch.arange(32.0)[torch.randperm(32, generator=torch.Generator().manual_seed(0))]
+    wv = a.v_proj.weight.clone()
+    ol.prune_vo(a, scores, 4, 3)
+    assert a.v_proj.weight.shape == (12, 32) and a.o_proj.weight.shape == (32, 12) and a.v_head_dim == 3
+    for h in range(4):
+        best = scores[h * 8:(h + 1) * 8].topk(3).indices.sort().values + h * 8
+        assert torch.equal(a.v_proj.weight[h * 3:(h + 1) * 3], wv[best])
+
+
+@pytest.mark.parametrize("name", list(ol.METHODS))
+def test_parameter_counts_match_the_hand_computed_plan(name):
+    m, V, d, L, H = _tiny(), 50, 32, 2, 4
+    cfg = ol.Config(mlp_num=1, lc_ratio=0.1)
+    pruned, info = ol.prune(m, torch.randint(1, V, (4, 16)), 0.3, cfg.recipe(name), cfg)
+    p = info["plan"]
+    s_qk, s_vp = 0.6, 0.15
+    assert p.r_qk == math.ceil((1 - s_qk) * d / 2) and p.d_v == round((1 - s_vp) * 8) and p.r_lc == 3
+    hand = 2 * V * d + d + L * (2 * d + 2 * 2 * p.r_qk * d + 2 * d * H * p.d_v + 3 * d * p.d_ff)
+    hand += 2 * d * p.r_lc * len(p.lc_layers)
+    assert om.n_params(pruned) == hand
+    assert abs(hand - 0.7 * om.n_params(m)) <= 3 * d  # the target within one FFN neuron per layer
+    table = om.param_table(pruned)
+    assert table["layer 0"]["q"] == 2 * p.r_qk * d and table["layer 0"]["mlp"] == 3 * d * p.d_ff
+    assert table["total"]["all"] == hand
+
+
+def test_pruned_model_saves_and_reloads_with_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    m, ids = _tiny(), torch.randint(1, 50, (3, 16))
+    cfg = ol.Config(mlp_num=1, lc_ratio=0.1)
+    pruned, info = ol.prune(m, ids, 0.3, cfg.recipe(cfg.method), cfg)
+    assert info["plan"].lc_layers == (0,)  # never the last layer
+    pruned.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "olica_llama"
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(back).__name__ == "OlicaLlamaForCausalLM" and om.n_params(back) < om.n_params(m)
+    with torch.no_grad():
+        assert (back(input_ids=ids).logits - pruned(input_ids=ids).logits).abs().max() < 1e-5
+    back.config._attn_implementation = "sdpa"  # SDPA accepts the narrower value heads too
+    with torch.no_grad():
+        assert (back(input_ids=ids).logits - pruned(input_ids=ids).logits).abs().max() < 1e-4
+
+
+def test_from_llama_is_the_same_network_and_refuses_gqa():
+    m, ids = _tiny(), torch.randint(1, 50, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(om.from_llama(m)(input_ids=ids).logits, m(input_ids=ids).logits)
+    m.config.num_key_value_heads = 2
+    with pytest.raises(ValueError, match="GQA"):
+        om.from_llama(m)
+
+
+def test_vo_errors_ond_beats_raw_wanda_and_keeping_everything_is_lossless():
+    m, ids = _tiny(), torch.randint(1, 50, (4, 16))
+    assert max(ol.vo_errors(m, ids, 1.0, ("fast", "olica"))) < 1e-4
+    ond, raw = ol.vo_errors(m, ids, 0.5, ("fast", "olica")), ol.vo_errors(m, ids, 0.5, ("none", "wanda"))
+    assert sum(ond) < sum(raw)  # truncating the sorted orthogonal basis beats dropping raw neurons
+
+
+def test_markov_induction_is_seeded_reserves_id_0_and_repeats_spans():
+    t = MarkovInduction(p_copy=1.0)
+    a, b = t.batch(8, torch.Generator().manual_seed(0)), t.batch(8, torch.Generator().manual_seed(0))
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["input_ids"], a["labels"])
+    x = a["input_ids"]
+    assert x.min() >= 1 and x.max() < 128 and x.shape == (8, 64)
+    for row in x.tolist():  # some span of 8 tokens occurs twice
+        grams = [tuple(row[i:i + 8]) for i in range(57)]
+        assert len(set(grams)) < len(grams)
+
+
+def test_config_for_scale_and_controls():
+    assert ol.Config.for_scale("smoke").method == "Olica (Fast-OND + LC)"
+    rnd = ol.Config.for_scale("smoke", "random")
+    assert rnd.method == "random" and rnd.ond == "none" and rnd.recipe(rnd.method).vo == "random"
+    no_lc = ol.Config.for_scale("smoke", "no_lc")
+    assert not no_lc.recipe(no_lc.method).lc and ol.Config().recipe("Olica (Fast-OND + LC)").lc
+    with pytest.raises(ValueError, match="unknown control"):
+        ol.Config.for_scale("smoke", "nope")
+
+
+def test_the_notebook_declares_the_documented_controls():
+    from pathlib import Path
+
+    from lab.cli import declared_controls
+
+    nb = Path(__file__).resolve().parents[2] / "notebooks" / "07_olica.ipynb"
+    assert set(declared_controls(nb)) == set(ol.CONTROLS)
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(300)
+def test_checkpoint_folder_is_pruned_saved_and_reloads(tmp_path):
+    """model=<folder>, data=<.txt>: Olica on a saved tiny Llama, the smaller model written to out_dir."""
+    from transformers import AutoModelForCausalLM
+
+    from lab.models.tokenizer import word_tokenizer
+
+    from ..conftest import run_lab
+
+    words = [f"w{i}" for i in range(40)]
+    tok = word_tokenizer(words)
+    _tiny(V=len(tok), d=32, F=64).save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    g = np.random.default_rng(0)
+    (tmp_path / "text.txt").write_text("\n".join(" ".join(g.choice(words, 60)) for _ in range(200)))
+    proc = run_lab("run", "07_olica", "-p", "model", str(tmp_path / "ckpt"), "-p", "data", str(tmp_path / "text.txt"),
+                   "-p", "out_dir", str(tmp_path / "pruned"), "--out", str(tmp_path / "out"), "--no-page")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "out" / "07_olica.json").read_text())
+    assert not [c for c in rec["claims"] if c.get("kind", "claim") == "claim"]  # a checkpoint: no toy claim
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned")
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert type(back).__name__ == "OlicaLlamaForCausalLM"
+    assert om.n_params(back) < 0.8 * om.n_params(dense)
+    size = {p: sum(f.stat().st_size for f in (tmp_path / p).glob("*.safetensors")) for p in ("ckpt", "pruned")}
+    assert size["pruned"] < size["ckpt"]
+    assert rec["metrics"]["saved"]["params"] == om.n_params(back)
+
+
+def test_layer_score_is_one_minus_the_mean_column_pearson_correlation_of_the_ridge_fit():
+    """`fast_OND`'s layer score: 1 − mean_j corr(fit_j, Y_j) over output columns (numpy's corrcoef as reference)."""
+    from lab.compress.olica import mlp_predictability, ridge
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(200, 6, generator=g)
+    Y = X @ torch.randn(6, 4, generator=g) + torch.randn(200, 4, generator=g) * torch.tensor([0.1, 1.0, 3.0, 0.0])
+    P = (X @ ridge(X, Y, 0.5, 8, 25)).numpy()
+    want = 1 - np.mean([np.corrcoef(P[:, j], Y[:, j].numpy())[0, 1] for j in range(4)])
+    assert mlp_predictability(X, Y, 0.5, 8, 25) == pytest.approx(want, abs=1e-5)
