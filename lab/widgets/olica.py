@@ -1,7 +1,7 @@
 """Olica explorers: per-head singular spectra of the V/O products with the pruning cut, and the precomputed view.
 
 `spectra[(layer, head)]` holds Fast OND's singular values (of the output-energy-weighted W_o^h) and full OND's (of
-the weighted d×d product W_o^h W_v^h), as `lab.compress.olica.head_spectra` returns them. The cut is where V/O
+the weighted d×d product W_o^h W_v^h), as `lab.compress.olica_study.head_spectra` returns them. The cut is where V/O
 pruning at sparsity s stops: every head keeps d_v' = round((1 − s_vp)·d_h) neurons, s_vp = 2s/(1+k).
 """
 

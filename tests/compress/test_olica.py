@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lab.compress import olica as ol
+from lab.compress import olica_study as ols
 from lab.compress import pruned_llama as om
 from lab.data.markov_induction import MarkovInduction
 from lab.models.zoo import tiny_llama
@@ -46,7 +47,7 @@ def test_full_ond_keeps_every_head_product():
 
 def test_ond_rotation_leaves_the_logits_unchanged():
     m, ids = _tiny(), torch.randint(1, 50, (3, 12))
-    exact = ol.ond_exactness(m, ids)
+    exact = ols.ond_exactness(m, ids)
     assert exact["fast"] < 1e-4 and exact["full"] < 1e-4
 
 
@@ -159,8 +160,8 @@ def test_from_llama_is_the_same_network_and_refuses_gqa():
 
 def test_vo_errors_ond_beats_raw_wanda_and_keeping_everything_is_lossless():
     m, ids = _tiny(), torch.randint(1, 50, (4, 16))
-    assert max(ol.vo_errors(m, ids, 1.0, ("fast", "olica"))) < 1e-4
-    ond, raw = ol.vo_errors(m, ids, 0.5, ("fast", "olica")), ol.vo_errors(m, ids, 0.5, ("none", "wanda"))
+    assert max(ols.vo_errors(m, ids, 1.0, ("fast", "olica"))) < 1e-4
+    ond, raw = ols.vo_errors(m, ids, 0.5, ("fast", "olica")), ols.vo_errors(m, ids, 0.5, ("none", "wanda"))
     assert sum(ond) < sum(raw)  # truncating the sorted orthogonal basis beats dropping raw neurons
 
 
