@@ -40,10 +40,27 @@ def setup_cell(path: Path) -> str:
     return [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"][1].source
 
 
-def run_lab(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m lab ...` in a subprocess, exactly as a user runs it."""
+def run_lab(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m lab ...` in a subprocess, exactly as a user runs it (`env`: variables added to the environment)."""
     return subprocess.run([sys.executable, "-m", "lab", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def fake_lm_eval(folder: Path) -> dict[str, str]:
+    """A stand-in `lm_eval` package under `folder` (lm-eval's tasks need the network): its
+    `evaluator.simple_evaluate` loads `pretrained=` with `AutoModelForCausalLM.from_pretrained`, as lm-eval's `hf`
+    model does, and reports the parameter count as the task's metric. Returns the env that puts it on the path."""
+    pkg = folder / "lm_eval"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "evaluator.py").write_text(
+        "def simple_evaluate(model, model_args, tasks, **kw):\n"
+        "    from transformers import AutoModelForCausalLM\n"
+        "    args = dict(a.split('=') for a in model_args.split(','))\n"
+        "    net = AutoModelForCausalLM.from_pretrained(args['pretrained'])\n"
+        "    n = float(sum(p.numel() for p in net.parameters()))\n"
+        "    return {'results': {t: {'alias': t, 'params': n} for t in tasks}}\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
 
 
 class NotebookRuns:

@@ -203,7 +203,7 @@ def test_checkpoint_folder_is_pruned_saved_and_reloads(tmp_path):
 
     from lab.models.tokenizer import word_tokenizer
 
-    from ..conftest import run_lab
+    from ..conftest import fake_lm_eval, run_lab
 
     words = [f"w{i}" for i in range(40)]
     tok = word_tokenizer(words)
@@ -212,9 +212,11 @@ def test_checkpoint_folder_is_pruned_saved_and_reloads(tmp_path):
     g = np.random.default_rng(0)
     (tmp_path / "text.txt").write_text("\n".join(" ".join(g.choice(words, 60)) for _ in range(200)))
     proc = run_lab("run", "07_olica", "-p", "model", str(tmp_path / "ckpt"), "-p", "data", str(tmp_path / "text.txt"),
-                   "-p", "out_dir", str(tmp_path / "pruned"), "--out", str(tmp_path / "out"), "--no-page")
+                   "-p", "out_dir", str(tmp_path / "pruned"), "-p", "tasks", "toy_a,toy_b", "--out",
+                   str(tmp_path / "out"), "--no-page", env=fake_lm_eval(tmp_path / "stub"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rec = json.loads((tmp_path / "out" / "07_olica.json").read_text())
+    assert rec["status"] == "measured"
     assert not [c for c in rec["claims"] if c.get("kind", "claim") == "claim"]  # a checkpoint: no toy claim
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned")
     dense = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
@@ -223,6 +225,8 @@ def test_checkpoint_folder_is_pruned_saved_and_reloads(tmp_path):
     size = {p: sum(f.stat().st_size for f in (tmp_path / p).glob("*.safetensors")) for p in ("ckpt", "pruned")}
     assert size["pruned"] < size["ckpt"]
     assert rec["metrics"]["saved"]["params"] == om.n_params(back)
+    # lm-eval (stubbed) loaded the written folder in the notebook's process, the custom class included
+    assert rec["metrics"]["zero_shot"] == {t: {"params": om.n_params(back)} for t in ("toy_a", "toy_b")}
 
 
 def test_layer_score_is_one_minus_the_mean_column_pearson_correlation_of_the_ridge_fit():

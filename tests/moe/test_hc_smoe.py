@@ -257,7 +257,7 @@ def test_checkpoint_folder_is_merged_saved_and_reloads(tmp_path):
 
     from lab.models.tokenizer import word_tokenizer
 
-    from ..conftest import run_lab
+    from ..conftest import fake_lm_eval, run_lab
 
     words = [f"w{i}" for i in range(30)]
     tok = word_tokenizer(words)
@@ -268,7 +268,8 @@ def test_checkpoint_folder_is_merged_saved_and_reloads(tmp_path):
     g = np.random.default_rng(0)
     (tmp_path / "text.txt").write_text("\n".join(" ".join(g.choice(words, 40)) for _ in range(200)))
     proc = run_lab("run", "06_hc_smoe", "-p", "model", str(tmp_path / "ckpt"), "-p", "data", str(tmp_path / "text.txt"),
-                   "-p", "out_dir", str(tmp_path / "merged"), "--out", str(tmp_path / "out"), "--no-page")
+                   "-p", "out_dir", str(tmp_path / "merged"), "-p", "tasks", "toy_task", "--out", str(tmp_path / "out"),
+                   "--no-page", env=fake_lm_eval(tmp_path / "stub"))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rec = json.loads((tmp_path / "out" / "06_hc_smoe.json").read_text())
     assert rec["status"] == "measured" and rec["claims"] == []  # a checkpoint: measurements, no toy claim
@@ -277,3 +278,5 @@ def test_checkpoint_folder_is_merged_saved_and_reloads(tmp_path):
     assert back.config.num_local_experts == 4 and saved["reload_max_abs_logit_diff"] <= 1e-5
     assert saved["params"]["merged"] < saved["params"]["original"]
     assert saved["bytes"]["merged"] < saved["bytes"]["original"]
+    # lm-eval (stubbed) scored the written folder: the merged model's parameter count
+    assert rec["metrics"]["zero_shot"] == {"toy_task": {"params": saved["params"]["merged"]}}
