@@ -133,3 +133,47 @@ def unpack(packed: Tensor, nbits: int, k: int) -> Tensor:
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * nbits
     q = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & (2**nbits - 1)  # (N, cols, per)
     return q.reshape(packed.shape[0], -1)[:, :k].to(torch.uint8)
+
+
+# ------------------------------------------------------------------------ fake quantization with the STE (RoSTE)
+
+def fake_quant(x: Tensor, bits: int, *, clip: float = 1.0, sym: bool = False, ste: str = "identity") -> Tensor:
+    """Q(x) = (clamp(round(x/s) + z) − z)·s over the last dim (one scale per row: per output channel for a
+    weight (out, in), per token for activations, per token and head for K/V), in x's dtype; `bits` ≥ 16 is the
+    identity. Asymmetric (RoSTE's experiments): x_max = c·max x, x_min = c·min x, s = (x_max − x_min)/(2^b − 1),
+    z = round(−x_min/s), codes in [0, 2^b − 1]; symmetric: s = c·max|x|/(2^(b−1) − 1), z = 0, codes in
+    [−2^(b−1), 2^(b−1) − 1] (RoSTE Sec. 2, official `quant_utils/quant_linear.py`; the scale is clamped at 1e-8
+    here so a constant row does not divide by zero). `ste`: the backward — "identity" passes the gradient
+    unaltered (the official autograd Functions), "clipped" passes it only where x lies inside the clip range
+    [s·(0 − z), s·(2^b − 1 − z)] and gives 0 outside (the clipped STE of LSQ/PACT-style QAT)."""
+    if bits >= 16:
+        return x
+    if ste not in ("identity", "clipped"):
+        raise ValueError(f"ste={ste!r} is unknown; use 'identity' or 'clipped'.")
+    xd = x.detach().float()
+    if sym:
+        qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        s = (clip * xd.abs().amax(-1, keepdim=True) / qmax).clamp_min(1e-8)
+        z = torch.zeros_like(s)
+    else:
+        qmin, qmax = 0, 2**bits - 1
+        hi, lo = clip * xd.amax(-1, keepdim=True), clip * xd.amin(-1, keepdim=True)
+        s = ((hi - lo) / qmax).clamp_min(1e-8)
+        z = torch.round(-lo / s)
+    raw = torch.round(xd / s) + z
+    xq = ((raw.clamp(qmin, qmax) - z) * s).to(x.dtype)
+    if ste == "identity":
+        return x + (xq - x).detach()
+    inside = ((raw >= qmin) & (raw <= qmax)).to(x.dtype)
+    return x * inside + (xq - x * inside).detach()
+
+
+def quant_codes(x: Tensor, bits: int, *, clip: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """The asymmetric codes (uint8), scale and zero (float32, one per row) that `fake_quant` dequantizes:
+    (codes − zero)·scale == fake_quant(x, bits, clip=clip) (for storing a fake-quantized weight packed)."""
+    xd = x.detach().float()
+    qmax = 2**bits - 1
+    hi, lo = clip * xd.amax(-1, keepdim=True), clip * xd.amin(-1, keepdim=True)
+    s = ((hi - lo) / qmax).clamp_min(1e-8)
+    z = torch.round(-lo / s)
+    return (torch.round(xd / s) + z).clamp(0, qmax).to(torch.uint8), s, z

@@ -1,0 +1,431 @@
+"""RoSTE (Wei et al., ICML 2025): quantization-aware SFT with rotated straight-through estimation, W4A4KV4.
+
+arXiv 2502.09003, official code OptimAI-Lab/RoSTE (also published as Hong-Lab-UMN-ECE/RoSTE). A rotated
+quantized linear is LIN(X; W, R) = Q_x(X·R)·Q_w(Rᵀ·W) (Sec. 3.1, Eq. 5), with the asymmetric fake quantizer of
+`lab.compress.quant.fake_quant` (weights per output channel, activations per token, the KV cache per token and
+head) and the straight-through estimator (identity backward, official `quant_utils/quant_linear.py`). RoSTE
+solves the bilevel problem of Sec. 3.2: the lower level picks the rotations R* ∈ argmin E(W, R), with
+E = Σ_i ||Q_w(R_iᵀW_i) − R_iᵀW_i||² + (1/n)Σ_ij ||Q_x(X_ij R_i) − X_ij R_i||² (Eq. 12), over R_i ∈ {I, H}, H a
+random Hadamard; the upper level trains W by STE on the SFT loss with R* fixed (Algorithm 1, K = 1).
+
+As in the official code: R1 (d × d) is always applied, fused offline into the residual stream after RMSNorm
+folding (`lab.compress.rotate`); only R2 (per head, v → o), R3 (head dim, q and k after RoPE, online) and R4
+(before down_proj, online) are chosen per layer, by comparing two calibration passes (all off, all on) on the
+MSE version of Eq. 12: R2 ← value-cache + o_proj error, R3 ← key-cache error, R4 ← down_proj error.
+Embeddings and lm_head stay full precision. Queries are not quantized (only K/V, as the official attention).
+The rotated fake-quantized model itself (Hadamards, norm folding, `QuantLinear`, the "roste" attention) is
+`lab.compress.rotate`; this module holds the rotation search, the theory toy (Sec. 4), the tiny-Llama arms and the
+checkpoint path (rotation + QA-SFT through `accelerate`, saved with what the fake quantizer needs to reload).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lab.compress import rotate
+from lab.compress.quant import fake_quant
+from lab.compress.rotate import KINDS, QuantSpec, Rotations, linears, quantize_model
+
+# ------------------------------------------------------------------------ Eq. 12 on calibration data, and the choice
+
+@torch.no_grad()
+def layer_errors(qmodel: nn.Module, ids: Tensor, batch: int = 64) -> list[dict]:
+    """Per layer, on calibration ids (N, T): the MSE parts of Eq. 12 attributed to R2 (value cache + o_proj weight
+    and input), R3 (key cache) and R4 (down_proj weight and input), the total over all linears and the cache, and
+    the mean |input| per channel of every linear (for the outlier explorer)."""
+    layers = qmodel.model.layers
+    for layer in layers:
+        for lin in linears(layer).values():
+            lin.log = []
+        layer.self_attn.roste["log"] = []
+    for i in range(0, len(ids), batch):
+        qmodel(input_ids=ids[i:i + batch])
+    out = []
+    for layer in layers:
+        L, A = {k: v.log for k, v in linears(layer).items()}, layer.self_attn.roste["log"]
+        mean = lambda xs, k: sum(x[k] for x in xs) / len(xs)
+        lin_err = {k: mean(v, "err_w") + mean(v, "err_x") for k, v in L.items()}
+        rec = {"R2": mean(A, "err_v") + lin_err["o"], "R3": mean(A, "err_k"), "R4": lin_err["down"],
+               "total": sum(lin_err.values()) + mean(A, "err_k") + mean(A, "err_v"),
+               "channels": {k: (sum(x["x"] for x in v) / len(v)).tolist() for k, v in L.items()}}
+        rec["channels"]["k cache"] = (sum(x["k"] for x in A) / len(A)).tolist()
+        out.append(rec)
+        for lin in linears(layer).values():
+            lin.log = None
+        layer.self_attn.roste["log"] = None
+    return out
+
+
+def select(err_off: list[dict], err_on: list[dict]) -> list[dict[str, bool]]:
+    """Algorithm 1's layer-wise rule: R_i = H where the all-on pass has the lower logged error, else I."""
+    return [{k: on[k] < off[k] for k in KINDS} for off, on in zip(err_off, err_on)]
+
+
+def adaptive(model: nn.Module, qs: QuantSpec, rot: Rotations, ids: Tensor, *, r1: bool = True,
+             wrong_side: bool = False) -> dict:
+    """RoSTE's rotation search from `model` (K = 1): the two calibration passes (R2/R3/R4 all off / all on, R1
+    always on) and the chosen configuration; also the errors re-measured with the chosen configuration."""
+    off = layer_errors(quantize_model(model, qs, rot, r1=r1, wrong_side=wrong_side), ids)
+    on = layer_errors(quantize_model(model, qs, rot, r1=r1, wrong_side=wrong_side,
+                                     choice=[dict.fromkeys(KINDS, True) for _ in off]), ids)
+    choice = select(off, on)
+    mixed = layer_errors(quantize_model(model, qs, rot, r1=r1, wrong_side=wrong_side, choice=choice), ids)
+    return {"off": off, "on": on, "choice": choice, "mixed": mixed}
+
+
+# ------------------------------------------------------------------------ the notebook's controls and sizes
+
+CONTROLS = {
+    "no_rotation": "every Hadamard switched off: RoSTE and the QuaRot-like PTQ run without R1–R4, the theory toy "
+                   "with R = I",
+    "no_outlier": "no planted massive activation in the tiny Llama and no outlier coordinates in w* of the theory toy",
+    "rotation_wrong_side": "R1 multiplied onto the readers' weights from the wrong side (W·Qᵀ instead of W·Q)",
+}
+
+
+def check_control(control: str) -> str:
+    from lab.core import params
+    return params.check_control(control, CONTROLS)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every size: the least-squares theory toy (Sec. 4) and the tiny Llama (2 layers, d = 64, 4 heads of 16,
+    SwiGLU 128) with a planted massive activation, pre-trained on COPY and fine-tuned on ROT3."""
+
+    # theory toy
+    ls_d: int = 256
+    ls_n: int = 128
+    ls_outliers: int = 4
+    ls_scales: tuple[float, ...] = (1.0, 10.0, 50.0)
+    ls_plant: bool = True  # False under `no_outlier`: w* has no outlier coordinates whatever the scale
+    ls_steps: int = 4000
+    ls_batch: int = 32
+    ls_lr: float = 15.0
+    ls_wbits: int = 4
+    ls_xbits: int = 8
+    # tiny Llama
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 128
+    n_digits: int = 6
+    outlier: float = 50.0  # the massive activation: + outlier on one residual channel of every embedding
+    outlier_channel: int = 5
+    embed_std: float = 0.5  # token embeddings ~ N(0, 1): the outlier is `outlier`× a typical channel
+    pre_op: str = "rot0"  # pre-training task: COPY
+    sft_op: str = "rot1"  # SFT task: ROT1 (ROT3 is shown in the notebook as unstable for every arm)
+    pre_steps: int = 400
+    sft_steps: int = 500
+    batch_size: int = 32
+    pre_lr: float = 3e-3
+    lr: float = 3e-3
+    n_calib: int = 128
+    n_eval: int = 256
+    w_bits: int = 4
+    a_bits: int = 4
+    kv_bits: int = 4
+    clip: float = 1.0
+    complete: bool = False  # also fine-tune the complete-rotation arm (Table 3's ablation; costs one more run)
+    rotate: bool = True  # False under `no_rotation`
+    wrong_side: bool = False  # True under `rotation_wrong_side`
+
+    @classmethod
+    def for_scale(cls, scale: str, control: str = "") -> Config:
+        from lab.core import params
+        if scale not in params.SCALES:
+            raise ValueError(f"scale={scale!r} is unknown; use one of {', '.join(params.SCALES)}.")
+        control = check_control(control)
+        sizes = {} if scale == "smoke" else dict(pre_steps=2000, sft_steps=1500, n_eval=1024, ls_steps=10000)
+        if control == "no_outlier":
+            sizes.update(outlier=0.0, ls_plant=False)
+        return cls(**sizes, rotate=control != "no_rotation", wrong_side=control == "rotation_wrong_side")
+
+    def quant(self) -> QuantSpec:
+        return QuantSpec(self.w_bits, self.a_bits, self.kv_bits, self.clip, self.clip, self.clip)
+
+
+# ------------------------------------------------------------------------ Sec. 4: the least-squares theory toy
+
+def least_squares(cfg: Config, scale: float, rotated: bool, seed: int = 0) -> dict:
+    """Over-parameterised least squares (d > n, interpolation) trained by STE SGD on o = ⟨Q_x(Rx), Q_w(Rw)⟩/√d
+    (symmetric per-vector quantizers, b_w, b_x bits), y = ⟨x, w*⟩/√d, w* Gaussian with `ls_outliers` coordinates
+    scaled by `scale`. Returns the final training loss, ||e||² and ||e||²_G with e = Q_w(Rw) − Rw,
+    G = E[Q_x(Rx)Q_x(Rx)ᵀ]/d — the quantities of Theorem 4.3 — and Prop. 4.4's two bounds on ||e||²."""
+    g = torch.Generator().manual_seed(seed)
+    d, n = cfg.ls_d, cfg.ls_n
+    X = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w_star = torch.randn(d, generator=g, dtype=torch.float64)
+    w_star[torch.randperm(d, generator=g)[: cfg.ls_outliers]] *= scale if cfg.ls_plant else 1.0
+    y = X @ w_star / d**0.5
+    R = rotate.matrix(rotate.random_signs(d, g)) if rotated else torch.eye(d, dtype=torch.float64)
+    Xq = fake_quant(X @ R, cfg.ls_xbits, sym=True)  # fixed: quantized rotated inputs
+    w = torch.zeros(d, dtype=torch.float64)
+    for _ in range(cfg.ls_steps):  # STE: the gradient w.r.t. Q_w(Rw) is passed to Rw unaltered
+        b = torch.randint(0, n, (cfg.ls_batch,), generator=g)
+        r = Xq[b] @ fake_quant(w @ R, cfg.ls_wbits, sym=True) / d**0.5 - y[b]
+        w -= cfg.ls_lr * (Xq[b].T @ r / (cfg.ls_batch * d**0.5)) @ R.T
+    wr = w @ R
+    e = fake_quant(wr, cfg.ls_wbits, sym=True) - wr
+    G = Xq.T @ Xq / (n * d)
+    loss = 0.5 * ((Xq @ (wr + e) / d**0.5 - y) ** 2).mean()
+    qmax = 2 ** (cfg.ls_wbits - 1) - 1
+    return {"loss": loss.item(), "e2": (e @ e).item(), "e2_G": (e @ G @ e).item(),
+            "bound_I": d * w.abs().max().item() ** 2 / (4 * qmax**2),
+            "bound_H": torch.log(torch.tensor(4 * d / 0.1)).item() * (w @ w).item() / (2 * qmax**2)}
+
+
+def theory(cfg: Config, seed: int = 0) -> list[dict]:
+    """`least_squares` for every outlier scale × R ∈ {I, H} (R = I only under `no_rotation`), one draw per seed."""
+    return [{"scale": s, "R": "H" if rot else "I", **least_squares(cfg, s, rot and cfg.rotate, seed)}
+            for s in cfg.ls_scales for rot in (False, True)]
+
+
+# ------------------------------------------------------------------------ the tiny Llama's tasks
+
+@dataclass(frozen=True)
+class Digits:
+    """<bos> <op k> d_1..d_L <sep> (d cyclically shifted by k); loss on the completion only. `op` "mix"
+    (pre-training: k uniform in 0..5) or "rot<k>" (SFT: one k, e.g. "rot3"). Ids: pad 0, bos 1, sep 2,
+    digits 3–12, op tokens 13–18."""
+
+    op: str = "mix"
+    n_digits: int = 6
+    vocab_size: int = 20
+
+    def batch(self, n: int, generator: torch.Generator) -> dict[str, Tensor]:
+        d = torch.randint(0, 10, (n, self.n_digits), generator=generator) + 3
+        if self.op == "mix":
+            k = torch.randint(0, 6, (n,), generator=generator)
+        else:
+            k = torch.full((n,), int(self.op.removeprefix("rot")))
+        idx = (torch.arange(self.n_digits)[None] + k[:, None]) % self.n_digits
+        tgt = d.gather(1, idx)
+        ids = torch.cat([torch.ones(n, 1, dtype=torch.long), 13 + k[:, None], d, torch.full((n, 1), 2), tgt], 1)
+        labels = ids.clone()
+        labels[:, : self.n_digits + 3] = -100
+        return {"input_ids": ids, "labels": labels}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batch: dict[str, Tensor], chunk: int = 128) -> dict:
+    """Teacher-forced completion token accuracy and NLL (nats per token)."""
+    hits = nll = count = 0
+    for i in range(0, len(batch["input_ids"]), chunk):
+        ids, lab = batch["input_ids"][i:i + chunk], batch["labels"][i:i + chunk]
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        lab = lab[:, 1:]
+        m = lab != -100
+        hits += (logits.argmax(-1) == lab)[m].sum().item()
+        nll += F.cross_entropy(logits[m], lab[m], reduction="sum").item()
+        count += m.sum().item()
+    return {"acc": hits / count, "nll": nll / count}
+
+
+# ------------------------------------------------------------------------ the tiny Llama: every arm
+
+def planted_llama(cfg: Config, vocab_size: int) -> nn.Module:
+    """A tiny Llama whose every token embedding carries + `outlier` on one residual channel: a massive activation
+    that rides the residual stream through every layer, as in real LLMs (the QuaRot / SpinQuant motivation)."""
+    from lab.models.zoo import tiny_llama
+
+    m = tiny_llama(vocab_size=vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                   d_ff=cfg.d_ff, max_len=2 * cfg.n_digits + 5)
+    with torch.no_grad():
+        m.model.embed_tokens.weight.normal_(0.0, cfg.embed_std)
+        m.model.embed_tokens.weight[:, cfg.outlier_channel] += cfg.outlier
+    m.config.roste_planted = {"channel": cfg.outlier_channel, "magnitude": cfg.outlier, "embed_std": cfg.embed_std}
+    return m
+
+
+def _arm(base, name: str, make=None) -> nn.Module:
+    """The starting point of a fine-tuning arm: `make()` (a fake-quantized model) or a copy of base's model."""
+    m = make() if make is not None else copy.deepcopy(base.model)
+    m.config.roste_arm = {"arm": name, "base": base.key}  # joins the cache key
+    return m
+
+
+def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = None) -> dict:
+    """Pre-train on COPY (cached), then every arm on ROT3 at W4A4KV4, evaluated on held-out prompts:
+    FP SFT; FP SFT + RTN PTQ; FP SFT + QuaRot-like PTQ (R1 + all R2–R4, then RTN); STE QA-SFT (no rotation);
+    RoSTE (R1 + the adaptive R2/R3/R4 chosen on the pre-trained model, then STE QA-SFT); complete rotation
+    (R1 + all R2–R4, then STE QA-SFT; the ablation of Table 3). Also the rotation search and the full-precision
+    invariance of the rotated FP-SFT model."""
+    from functools import partial
+
+    from lab.models.train import TrainConfig, fit
+
+    pre_task, sft_task = Digits(cfg.pre_op, cfg.n_digits), Digits(cfg.sft_op, cfg.n_digits)
+    pre = fit(partial(planted_llama, cfg, pre_task.vocab_size), pre_task,
+              TrainConfig(steps=cfg.pre_steps, batch_size=cfg.batch_size, lr=cfg.pre_lr, seed=seed), device=device,
+              quiet=quiet)
+    g = torch.Generator().manual_seed(1000 + seed)
+    calib = sft_task.batch(cfg.n_calib, g)["input_ids"].to(device)
+    ev = {k: v.to(device) for k, v in sft_task.batch(cfg.n_eval, g).items()}
+    qs, rot, L = cfg.quant(), Rotations.draw(pre.model.config, seed), cfg.n_layers
+    kw = dict(r1=cfg.rotate, wrong_side=cfg.wrong_side)
+    on = [dict.fromkeys(KINDS, cfg.rotate) for _ in range(L)]
+    search = adaptive(pre.model, qs, rot, calib, **kw)
+    choice = search["choice"] if cfg.rotate else [dict.fromkeys(KINDS, False) for _ in range(L)]
+    ft = TrainConfig(steps=cfg.sft_steps, batch_size=cfg.batch_size, lr=cfg.lr, seed=100 + seed)
+    run = lambda name, make=None: fit(partial(_arm, pre, name, make), sft_task, ft, device=device, quiet=quiet)
+    runs = {"FP SFT": run("fp_sft", lambda: quantize_model(pre.model, qs.off(), rot, r1=True)),
+            "STE": run("ste", lambda: quantize_model(pre.model, qs)),
+            "RoSTE": run("roste", lambda: quantize_model(pre.model, qs, rot, choice=choice, **kw))}
+    if cfg.complete:
+        runs["complete rotation"] = run("complete", lambda: quantize_model(pre.model, qs, rot, choice=on, **kw))
+    fp = rotate.rotate_r1(copy.deepcopy(runs["FP SFT"].model), rotate.matrix(rot.r1).T)  # back to the raw basis
+    models = {"FP SFT": fp, "RTN PTQ": quantize_model(fp, qs),
+              "QuaRot-like PTQ": quantize_model(fp, qs, rot, choice=on, **kw),
+              **{k: r.model for k, r in runs.items() if k != "FP SFT"}}
+    fp64 = copy.deepcopy(fp).double()  # invariance measured in float64 (rotations are done in float64)
+    rotated_fp = quantize_model(fp64, qs.off(), rot, choice=on, **kw)
+    with torch.no_grad():
+        ref = fp64(input_ids=ev["input_ids"]).logits
+        inv = (rotated_fp(input_ids=ev["input_ids"]).logits - ref).abs().max().item()
+    eq12 = {k: sum(e["total"] for e in layer_errors(models[k], calib)) for k in runs if k != "FP SFT"}
+    return {"pre": pre, "runs": runs, "models": models, "search": search, "choice": choice, "calib": calib,
+            "eval": ev, "logit_scale": ref.abs().max().item(), "invariance": inv,
+            "metrics": {k: evaluate(m, ev) for k, m in models.items()},
+            "eq12": eq12, "rot": rot, "qs": qs}
+
+
+# ------------------------------------------------------------------------ the checkpoint path
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+@torch.no_grad()
+def lm_loss(model: nn.Module, ids: Tensor, chunk: int = 8) -> float:
+    """Mean next-token NLL over token blocks ids (N, T)."""
+    losses = [model(input_ids=ids[i:i + chunk], labels=ids[i:i + chunk]).loss.item() for i in range(0, len(ids), chunk)]
+    return sum(losses) / len(losses)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def load_checkpoint(model: str, device: str = "cpu"):
+    """`load_model` with RoSTE's checks: a Llama-family causal LM whose rotated dims are powers of 2."""
+    from lab.core.params import ParamError
+    from lab.models import load_model
+
+    net, tok = load_model(model, device=device, dtype=torch.float32)
+    c = net.config
+    if c.model_type not in FAMILIES:
+        raise ParamError(f"model={model!r} is a {c.model_type!r} model; RoSTE here needs a Llama-family causal LM "
+                         f"({', '.join(FAMILIES)}) with RMSNorm and separate q/k/v projections.")
+    dh = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if not all(map(_pow2, (c.hidden_size, dh, c.intermediate_size))):
+        raise ParamError(f"model={model!r} has hidden {c.hidden_size}, head dim {dh}, FFN {c.intermediate_size}; the "
+                         "Walsh–Hadamard rotations here need powers of 2 (QuaRot's get_hadK factorisation is not "
+                         "built).")
+    if tok is None:
+        raise ParamError(f"model={model!r} has no tokenizer in its folder; save one beside the weights.")
+    return net, tok
+
+
+def checkpoint(model: str, data: str, cfg: Config, *, steps: int = 20, lr: float = 1e-5, n_blocks: int = 8,
+               block_len: int = 128, batch: int = 4, seed: int = 0, device: str = "cpu", out_dir: str = "") -> dict:
+    """RoSTE on a checkpoint: calibration blocks from `data` (`lab.data.text`), the rotation search on the first
+    half (R1 + adaptive R2/R3/R4), `steps` of STE QA-SFT (next-token loss, AdamW, through `accelerate`'s
+    `Accelerator`, so `accelerate launch` spreads it over GPUs), held-out loss of the FP model, of RTN and of the
+    rotated model before and after QA-SFT; the result written by `save`. Measurements only (no toy threshold)."""
+    from accelerate import Accelerator
+
+    from lab.core.params import ParamError
+    from lab.data.text import load_texts, token_blocks
+
+    if not data:
+        raise ParamError("a checkpoint needs fine-tuning text: pass -p data <a .txt/.jsonl file or a datasets name>.")
+    net, tok = load_checkpoint(model, device)
+    ids = token_blocks(load_texts(data, seed=seed), tok, 2 * n_blocks, block_len)
+    if len(ids) < 2:
+        raise ParamError(f"data={data!r} gives {len(ids)} block(s) of {block_len} tokens; RoSTE needs at least 2.")
+    dev = next(net.parameters()).device
+    train_ids, ev = ids[: len(ids) // 2].to(dev), ids[len(ids) // 2:].to(dev)
+    qs, rot = cfg.quant(), Rotations.draw(net.config, seed)
+    search = adaptive(net, qs, rot, train_ids)
+    q = quantize_model(net, qs, rot, r1=True, choice=search["choice"])
+    res = {"loss": {"FP": lm_loss(net, ev), "RTN PTQ": lm_loss(quantize_model(net, qs), ev),
+                    "rotated, before QA-SFT": lm_loss(q, ev)}, "choice": search["choice"]}
+    acc = Accelerator(cpu=dev.type == "cpu")
+    opt = torch.optim.AdamW([p for p in q.parameters() if p.requires_grad], lr=lr)
+    q, opt = acc.prepare(q, opt)
+    g = torch.Generator().manual_seed(seed)
+    q.train()
+    for _ in range(steps):
+        b = train_ids[torch.randint(0, len(train_ids), (batch,), generator=g)]
+        acc.backward(q(input_ids=b, labels=b).loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    q = acc.unwrap_model(q).eval()
+    res["loss"]["RoSTE (after QA-SFT)"] = lm_loss(q, ev)
+    res["saved"] = save(q, tok, rot, out_dir or None, original=net, ids=ev[:2])
+    return res
+
+
+def save(qmodel: nn.Module, tokenizer, rot: Rotations, out_dir: str | None, *, original: nn.Module | None = None,
+         ids: Tensor | None = None) -> dict:
+    """The rotated model with `save_pretrained` (its latent weights, rotated; a plain Llama folder that
+    `from_pretrained` reads), `roste.json` (quantizer, chosen R2/R3/R4, the rotations' signs — what the online
+    R3/R4 and the fake quantizer need) and `roste_w4.safetensors` (every quantized linear's 4-bit codes packed two
+    a byte + fp16 scale/zero per output channel: the deployable W4). `load` rebuilds the fake-quant model."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from lab.compress.quant import pack, quant_codes
+
+    out = Path(out_dir or tempfile.mkdtemp(prefix="roste-"))
+    qmodel.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    spec = qmodel.config.roste
+    (out / "roste.json").write_text(json.dumps({**spec, "rotations": rot.to_dict()}))
+    qs, packed, lin_bytes = QuantSpec(**spec["quant"]), {}, 0
+    for name, mod in qmodel.named_modules():
+        if isinstance(mod, nn.Linear) and hasattr(mod, "qs"):
+            codes, s, z = quant_codes(mod.weight, qs.w_bits, clip=qs.clip_w)
+            packed.update({f"{name}.codes": pack(codes, qs.w_bits), f"{name}.scale": s.half(),
+                           f"{name}.zero": z.half()})
+            lin_bytes += mod.weight.numel() * 2  # the same linears in bf16, the paper's training precision
+    save_file({k: v.contiguous().cpu() for k, v in packed.items()}, str(out / "roste_w4.safetensors"))
+    back = load(out)
+    x = ids if ids is not None else torch.ones(1, 4, dtype=torch.long)
+    with torch.no_grad():
+        dl = (back(input_ids=x.cpu()).logits - qmodel.cpu()(input_ids=x.cpu()).logits).abs().max().item()
+    return {"out_dir": str(out), "reload_max_abs_logit_diff": dl, "linear_bytes_bf16": lin_bytes,
+            "linear_bytes_w4": (out / "roste_w4.safetensors").stat().st_size}
+
+
+def load(folder) -> nn.Module:
+    """A folder written by `save` back as the fake-quantized RoSTE model (from_pretrained + the online parts)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from lab.compress.rotate import wrap
+
+    spec = json.loads((Path(folder) / "roste.json").read_text())
+    m = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    return wrap(m, QuantSpec(**spec["quant"]), Rotations.from_dict(spec["rotations"]), spec["choice"],
+                r1=spec["r1"], wrong_side=spec["wrong_side"])
+
+
+def explorer_passes(S: dict, cfg: Config) -> dict[str, list[dict]]:
+    """Per-layer channel magnitudes and errors on the calibration prompts of the pre-trained model under each
+    configuration (for the outlier explorer): norms folded only, R1, R1 + all R2–R4, RoSTE's choice."""
+    r1 = "R1" if cfg.rotate else "no R1 (control)"
+    return {"no rotation": layer_errors(quantize_model(S["pre"].model, S["qs"]), S["calib"]),
+            f"{r1} only": S["search"]["off"],
+            f"{r1} + R2–R4": S["search"]["on"], "RoSTE choice": S["search"]["mixed"]}
