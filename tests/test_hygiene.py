@@ -104,7 +104,7 @@ def _paper_modules() -> set[str]:
 GENERIC = ["lab/cli.py", "lab/papers.py", "lab/core", "lab/models", "lab/data", "lab/report", "lab/widgets/figures.py",
            "lab/widgets/next_token.py", "lab/moe/blocks.py", "lab/moe/offload.py", "lab/moe/links.py",
            "lab/align/train.py", "lab/align/losses.py", "lab/align/exact.py", "lab/compress/quant.py",
-           "lab/compress/pruned_llama.py",
+           "lab/compress/pruned_llama.py", "lab/compress/rotate.py",
            "lab/interp/hidden_attention.py", "lab/interp/ablation.py", "lab/align/tokens.py",
            "lab/adapt/loop.py"]
 
