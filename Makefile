@@ -38,6 +38,7 @@ test-fast: setup
 
 ## on a CUDA machine: GPU-marked tests (kernels without the interpreter) and notebooks with device=cuda
 test-gpu: setup
+	-$(PIP) $(TORCH) -e ".[gpu]"  # optional CUDA kernels (fast-hadamard-transform); their tests skip if this fails
 	TRITON_INTERPRET=0 $(PY) -m pytest -m gpu $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 	$(PY) -m lab run all -p device cuda --out reports/gpu
 
