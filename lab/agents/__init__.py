@@ -1,0 +1,1 @@
+"""Agents: learning-progress curricula over large goal spaces (`magellan`, MAGELLAN)."""
