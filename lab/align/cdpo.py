@@ -43,6 +43,7 @@ from torch import Tensor
 
 from lab.align.train import optimize, response_logps, train_pairs
 from lab.core.params import check_control
+from lab.core.stages import stage
 from lab.data.arith import TrickyArithmetic, take
 from lab.models import TinyLM, TrainResult
 from lab.models.sample import sample_responses
@@ -186,7 +187,7 @@ def fine_tune(model, prompts: Tensor, responses: Tensor, *, steps: int, lr: floa
 def train_arm(base, pairs: dict[str, Tensor], arm: str, *, gamma: float, **kw) -> tuple[torch.nn.Module, dict]:
     """One arm (dpo, rpo, cdpo, cdpo_positionwise) from `base` on pairs {prompt, chosen, rejected, s}
     (`lab.align.train.train_pairs`: the policy and its chosen / rejected log-likelihood log)."""
-    return train_pairs(base, pairs, lambda b: arm_loss(arm, b["pi_w"], b["ref_w"], b["pi_l"], b["ref_l"], b["s"],
+    return train_pairs(base, pairs, lambda b: arm_loss(arm, b["pi_w"], b["ref_w"], b["pi_l"], b["ref_l"], b.get("s"),
                                                        gamma=gamma), desc=arm, **kw)
 
 
@@ -214,6 +215,7 @@ class Pairs:
     correct: Tensor
 
 
+@stage
 def preference_pairs(model, task: TrickyArithmetic, q: dict[str, Tensor], N: int, *, top_p: float = 0.5,
                      generator: torch.Generator, device: str = "cpu") -> Pairs:
     """Sample N trajectories per question at T = 1, grade them and `select`: the pair (most frequent correct,
@@ -232,6 +234,7 @@ def preference_pairs(model, task: TrickyArithmetic, q: dict[str, Tensor], N: int
                  torch.stack([q["prompt"][i] for i, _ in neg]), torch.stack([samples[i, j] for i, j in neg]), correct)
 
 
+@stage
 def contrastive_models(base, data: Pairs, cfg: Config, *, seed: int, device: str = "cpu") -> tuple:
     """(P_p, P_n) of §3.1: copies of the base fine-tuned on P_p's correct and P_n's wrong trajectories."""
     pos, neg = copy.deepcopy(base), copy.deepcopy(base)
@@ -242,26 +245,38 @@ def contrastive_models(base, data: Pairs, cfg: Config, *, seed: int, device: str
 
 
 def lr_sweep(base, pairs: dict[str, Tensor], cfg: Config, *, gamma: float, seed: int, task: TrickyArithmetic,
-             val: dict[str, Tensor], test: dict[str, Tensor], generator: torch.Generator,
-             device: str = "cpu") -> dict[tuple[str, float], dict]:
+             val: dict[str, Tensor], test: dict[str, Tensor], device: str = "cpu") -> dict[tuple[str, float], dict]:
     """Every arm of `cfg.arms` at every lr of `cfg.lrs`, from the base on the same pairs and steps (Table 3,
     Fig. 4): {(arm, lr): {"val", "acc": greedy accuracy on `val` (to pick the lr) and on `test`, "log":
-    `train_arm`'s log}}. lr = 0 is the base itself (not trained; its log is flat)."""
+    `train_arm`'s log}}. lr = 0 is the base itself (not trained; its log is flat). Each arm is a cached stage
+    keyed without the scores s unless it trains with them, so a control that changes only s retrains only cDPO."""
     results = {}
     for arm in cfg.arms:
-        for lr in cfg.lrs:
-            if lr == 0:
-                policy = base
-                with torch.no_grad():
-                    w, l_ = (response_logps(base, pairs["prompt"], pairs[k]).sum(-1).mean().item()
-                             for k in ("chosen", "rejected"))
-                log = {"step": [0, cfg.steps], "chosen": [w, w], "rejected": [l_, l_], "loss": []}
-            else:
-                policy, log = train_arm(base, pairs, arm, steps=cfg.steps, lr=lr, gamma=gamma,
-                                        batch_size=cfg.batch_size, seed=seed, every=cfg.every)
-            results[arm, lr] = {"val": task.greedy_accuracy(policy, val, generator=generator, device=device),
-                                "acc": task.greedy_accuracy(policy, test, generator=generator, device=device),
-                                "log": log}
+        used = pairs if arm.startswith("cdpo") else {k: v for k, v in pairs.items() if k != "s"}
+        for lr, r in arm_sweep(base, used, arm, cfg, gamma=gamma, seed=seed, task=task, val=val, test=test,
+                               device=device).items():
+            results[arm, lr] = r
+    return results
+
+
+@stage
+def arm_sweep(base, pairs: dict[str, Tensor], arm: str, cfg: Config, *, gamma: float, seed: int,
+              task: TrickyArithmetic, val: dict[str, Tensor], test: dict[str, Tensor],
+              device: str = "cpu") -> dict[float, dict]:
+    """One arm of `lr_sweep` at every lr of `cfg.lrs`: {lr: {"val", "acc", "log"}} (greedy accuracy draws nothing)."""
+    results, greedy = {}, torch.Generator()
+    for lr in cfg.lrs:
+        if lr == 0:
+            policy = base
+            with torch.no_grad():
+                w, l_ = (response_logps(base, pairs["prompt"], pairs[k]).sum(-1).mean().item()
+                         for k in ("chosen", "rejected"))
+            log = {"step": [0, cfg.steps], "chosen": [w, w], "rejected": [l_, l_], "loss": []}
+        else:
+            policy, log = train_arm(base, pairs, arm, steps=cfg.steps, lr=lr, gamma=gamma,
+                                    batch_size=cfg.batch_size, seed=seed, every=cfg.every)
+        results[lr] = {"val": task.greedy_accuracy(policy, val, generator=greedy, device=device),
+                       "acc": task.greedy_accuracy(policy, test, generator=greedy, device=device), "log": log}
     return results
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lab.align.cdpo import CONTROLS, Grade, ce_scores
 from lab.core.params import check_control
+from lab.core.stages import stage
 from lab.models.sample import mean_pass_at_k, sample
 
 
@@ -30,6 +31,7 @@ def critical_or_random(c: Tensor, control: str = "", *, generator: torch.Generat
     return critical_token(c)
 
 
+@stage
 def rollout_correctness(model, prompts: Tensor, responses: Tensor, grade: Grade, *, K: int,
                         generator: torch.Generator, temperature: float = 1.0) -> Tensor:
     """c (n, L − 1): c[i, t] = share of K rollouts from prompt + y_≤t that are correct, for the proper prefixes
@@ -53,6 +55,7 @@ def critical_token(c: Tensor, *, tol: float = 0.05) -> Tensor:
     return torch.where(ok.any(-1), ok.float().argmax(-1), -1)
 
 
+@stage
 def replacement(model, prompts: Tensor, responses: Tensor, t: Tensor, grade: Grade, *, K: int,
                 generator: torch.Generator, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """Correct (n, K) rollouts with y_t kept and with y_t replaced (masked out, resampled) (Fig. 2)."""

@@ -54,6 +54,9 @@ def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str 
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)
     if quiet is not None:
         _quiet = quiet
+    from lab.core import stages
+
+    stages.configure(params.scale == "smoke")  # stage results cached by value at smoke scale (lab.core.stages)
     if params.scale == "smoke":
         os.environ["HF_HUB_OFFLINE"] = "1"
         torch.set_num_threads(threads or 1)

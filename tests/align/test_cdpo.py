@@ -280,7 +280,7 @@ def test_pipeline_pairs_models_and_sweep_follow_the_steps_by_hand():
              "s": C.ce_scores(pos, neg, data.prompts, data.rejected)}
     test, val = (task.questions(30, torch.Generator().manual_seed(k)) for k in (5, 7))
     cfg = replace(cfg, lrs=(0.0, 1e-3))
-    res = C.lr_sweep(base, pairs, cfg, gamma=0.1, seed=6, task=task, val=val, test=test, generator=torch.Generator())
+    res = C.lr_sweep(base, pairs, cfg, gamma=0.1, seed=6, task=task, val=val, test=test)
     assert list(res) == [("dpo", 0.0), ("dpo", 1e-3), ("cdpo", 0.0), ("cdpo", 1e-3)]
     for arm in cfg.arms:
         policy, log = C.train_arm(base, pairs, arm, steps=2, lr=1e-3, gamma=0.1, batch_size=4, seed=6, every=1,
