@@ -5,8 +5,8 @@ Its key hashes everything the step can depend on: every argument (tensors by the
 dataclasses by their fields, generators by their state, tokenizers by their vocabulary), the global random states
 it may draw from (torch, numpy, python) and the source of the whole `lab` and `kernels` packages, so an edit
 anywhere in the library, another seed or any changed input is a miss. A hit returns the stored result and puts
-every random state (the global ones and the generators passed as arguments) where the computation left it, so
-the rest of the notebook runs exactly as if the step had been computed: cached and computed runs are
+every random state (the global ones and every generator among the arguments, however deep) where the computation
+left it, so the rest of the notebook runs exactly as if the step had been computed: cached and computed runs are
 bit-identical (tests/core/test_stages.py). This is what lets a control that only swaps the scores a step trains
 with skip the rollout study it does not touch.
 
@@ -62,8 +62,9 @@ def code_digest() -> str:
     return _digest[0]
 
 
-def _feed(h, x: Any, seen: set[int]) -> None:
-    """Hash `x` into `h` by value; an object with no value identity (a bare address in its repr) is an error."""
+def _feed(h, x: Any, seen: dict[int, Any], gens: list[torch.Generator]) -> None:
+    """Hash `x` into `h` by value, appending every generator met to `gens` (in a fixed order); an object with no
+    value identity (a bare address in its repr) is an error."""
     tag = lambda s: h.update(f"<{s}>".encode())
     if x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
         return tag(f"{type(x).__name__}:{x!r}")
@@ -77,54 +78,55 @@ def _feed(h, x: Any, seen: set[int]) -> None:
     if isinstance(x, np.generic):
         return tag(f"{x.dtype}:{x!r}")
     if isinstance(x, torch.Generator):
-        return _feed(h, x.get_state(), seen)
+        gens.append(x)
+        return _feed(h, x.get_state(), seen, gens)
     if isinstance(x, (ModuleType, type)) or inspect.isbuiltin(x):
         return tag(f"{getattr(x, '__module__', '')}.{getattr(x, '__qualname__', x.__name__)}")
     if isinstance(x, FunctionType):  # its code is in `code_digest`; what it closes over is hashed here
         tag(f"function {x.__module__}.{x.__qualname__}")
         cells = [c.cell_contents for c in x.__closure__ or ()]
-        return _feed(h, (x.__defaults__, x.__kwdefaults__, cells), seen)
+        return _feed(h, (x.__defaults__, x.__kwdefaults__, cells), seen, gens)
     if isinstance(x, MethodType):
-        return _feed(h, (x.__func__, x.__self__), seen)
+        return _feed(h, (x.__func__, x.__self__), seen, gens)
     if id(x) in seen:
         return tag("cycle")
-    seen.add(id(x))
+    seen[id(x)] = x  # kept alive while hashing, so a temporary's id is never reused for another object
     if isinstance(x, torch.nn.Module):
         tag(f"module {type(x).__qualname__} training={x.training}")
-        return _feed(h, x.state_dict(), seen)
+        return _feed(h, x.state_dict(), seen, gens)
     if isinstance(x, Mapping):
         tag(f"map {len(x)}")
         for k in sorted(x, key=repr):
-            _feed(h, k, seen)
-            _feed(h, x[k], seen)
+            _feed(h, k, seen, gens)
+            _feed(h, x[k], seen, gens)
         return None
     if isinstance(x, (list, tuple, set, frozenset)):
         items = sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x
         tag(f"{type(x).__name__} {len(items)}")
         for v in items:
-            _feed(h, v, seen)
+            _feed(h, v, seen, gens)
         return None
     if dataclasses.is_dataclass(x):
         tag(f"dataclass {type(x).__qualname__}")
-        return _feed(h, {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}, seen)
+        return _feed(h, {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}, seen, gens)
     if callable(getattr(x, "get_vocab", None)):  # a tokenizer: its class and vocabulary
         tag(f"tokenizer {type(x).__qualname__}")
-        return _feed(h, x.get_vocab(), seen)
+        return _feed(h, x.get_vocab(), seen, gens)
     if isinstance(x, functools.partial):
-        return _feed(h, (x.func, x.args, x.keywords), seen)
+        return _feed(h, (x.func, x.args, x.keywords), seen, gens)
     if hasattr(x, "__dict__") and not callable(x):
         tag(f"object {type(x).__qualname__}")
-        return _feed(h, vars(x), seen)
+        return _feed(h, vars(x), seen, gens)
     text = repr(x)
     if " at 0x" in text:
         raise TypeError(f"the stage cache cannot key an argument of type {type(x).__qualname__} (no value identity).")
     return tag(f"{type(x).__qualname__}:{text}")
 
 
-def key_of(*parts: Any) -> str:
-    """A hex key for `parts` hashed by value (see `_feed`)."""
+def key_of(*parts: Any, gens: list[torch.Generator] | None = None) -> str:
+    """A hex key for `parts` hashed by value (see `_feed`); the generators met are appended to `gens`."""
     h = hashlib.sha256()
-    _feed(h, parts, set())
+    _feed(h, parts, {}, [] if gens is None else gens)
     return h.hexdigest()[:32]
 
 
@@ -150,7 +152,7 @@ def hits() -> list[str]:
 
 def stage(fn: F) -> F:
     """Cache `fn`'s result on disk by the value of its arguments, the random states and the library's source
-    (module docstring). `fn` must be deterministic given those; generators among its arguments are restored."""
+    (module docstring). `fn` must be deterministic given those; every generator among its arguments is restored."""
     name = f"{fn.__module__}.{fn.__qualname__}"
     sig = inspect.signature(fn)
 
@@ -162,8 +164,9 @@ def stage(fn: F) -> F:
 
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        gens = [v for v in bound.arguments.values() if isinstance(v, torch.Generator)]
-        path = cache_dir() / "stages" / name / f"{key_of(name, code_digest(), bound.arguments, _global_states())}.pt"
+        gens: list[torch.Generator] = []  # every generator among the arguments, however deep
+        key = key_of(name, code_digest(), bound.arguments, _global_states(), gens=gens)
+        path = cache_dir() / "stages" / name / f"{key}.pt"
         if path.exists():
             try:
                 entry = torch.load(path, weights_only=False)

@@ -29,12 +29,20 @@ class Cfg:
     lr: float
 
 
+@dataclass
+class Holder:
+    generator: torch.Generator
+
+
 @stages.stage
-def noisy_sum(model: torch.nn.Module, x: torch.Tensor, cfg: Cfg, *, generator: torch.Generator) -> dict:
-    """Draws from the generator and from every global random source, so a hit must restore them all."""
+def noisy_sum(model: torch.nn.Module, x: torch.Tensor, cfg: Cfg, *, generator: torch.Generator,
+              inner: Holder) -> dict:
+    """Draws from the generators (one an argument, one inside one) and from every global random source, so a hit
+    must restore them all."""
     calls.append(1)
     with torch.no_grad():
-        y = model(x) + torch.rand(x.shape[0], 1, generator=generator) + torch.rand(1)
+        y = model(x) + torch.rand(x.shape[0], 1, generator=generator) + torch.rand(1, generator=inner.generator)
+        y = y + torch.rand(1)
     return {"y": y, "np": np.random.rand(), "py": random.random(), "w": cfg.width * cfg.lr}
 
 
@@ -43,9 +51,10 @@ def pipeline(model, x, cfg, seed=0):
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
-    g = torch.Generator().manual_seed(seed)
-    out = noisy_sum(model, x, cfg, generator=g)
-    return out, torch.rand(2, generator=g), torch.rand(2), np.random.rand(), random.random()
+    g, h = torch.Generator().manual_seed(seed), Holder(torch.Generator().manual_seed(seed + 100))
+    out = noisy_sum(model, x, cfg, generator=g, inner=h)
+    return out, torch.rand(2, generator=g), torch.rand(2, generator=h.generator), torch.rand(2), np.random.rand(), \
+        random.random()
 
 
 def same(a, b) -> bool:
@@ -101,6 +110,8 @@ def test_key_of_hashes_by_value_and_refuses_identity_only_objects():
     assert stages.key_of({"a": t, "b": [1, 2.0]}) == stages.key_of({"b": [1, 2.0], "a": t.clone()})
     assert stages.key_of(t) != stages.key_of(t.reshape(3, 2))  # same bytes, other shape
     assert stages.key_of(t) != stages.key_of(t.double())
+    many = [Cfg(i, 0.5) for i in range(50)]  # temporaries made while hashing must not be mistaken for cycles
+    assert stages.key_of(many) != stages.key_of([*many[:-1], Cfg(99, 0.5)])
     assert stages.key_of(torch.tensor([True, False])) != stages.key_of(torch.tensor([False, True]))
     assert stages.key_of(lambda: t) != stages.key_of((lambda u: lambda: u)(t + 1))  # closures by what they hold
     with pytest.raises(TypeError, match="cannot key an argument of type"):
