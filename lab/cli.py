@@ -105,7 +105,7 @@ def plan(paths: list[Path], overrides: dict) -> list[tuple[Path, dict, dict]]:
         if unknown:
             raise UsageError(f"{path.stem} has no parameter {unknown[0]!r}; its parameters are {', '.join(base)}.")
         params = {**base, **overrides}
-        validate(*(params[k] for k in CONTRACT), controls=declared_controls(path))
+        validate(*(params[k] for k in CONTRACT), controls=declared_controls(path), resolve=False)
         out.append((path, overrides, params))
     return out
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from nbconvert import HTMLExporter
 
 from lab import report
 
@@ -126,7 +127,7 @@ def test_export_html_is_atomic(executed_demo, tmp_path, monkeypatch):
     def crash_while_writing(self, nb, resources=None, **kw):
         return b"not text: writing this fails half-way", {}  # f.write(bytes) raises TypeError
 
-    monkeypatch.setattr(report.HTMLExporter, "from_notebook_node", crash_while_writing)
+    monkeypatch.setattr(HTMLExporter, "from_notebook_node", crash_while_writing)
     with pytest.raises(TypeError):
         report.export_html(executed_demo, out)
     assert out.read_text() == "previous report"

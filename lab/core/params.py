@@ -69,9 +69,14 @@ def check_model(model: Any) -> str:
     return model
 
 
-def resolve_device(device: Any) -> str:
+def check_device(device: Any) -> str:
     if device not in DEVICES:
         raise ParamError(f"device={device!r} is not a known device; use one of {', '.join(map(repr, DEVICES))}.")
+    return device
+
+
+def resolve_device(device: Any) -> str:
+    check_device(device)
     import torch
 
     has_cuda = torch.cuda.is_available()
@@ -94,12 +99,14 @@ def check_control(control: Any, controls: dict[str, Any] | None) -> str:
 
 
 def validate(scale: Any = "smoke", device: Any = "auto", seed: Any = 0, model: Any = TINY, control: Any = "",
-             controls: dict[str, Any] | None = None) -> Params:
-    """Check the contract parameters; raise one `ParamError` sentence on the first bad value."""
+             controls: dict[str, Any] | None = None, *, resolve: bool = True) -> Params:
+    """Check the contract parameters; raise one `ParamError` sentence on the first bad value. `resolve=False` (the
+    runner, before a kernel starts) leaves device "auto" unresolved and imports torch only to check "cuda"."""
     if scale not in SCALES:
         raise ParamError(f"scale={scale!r} is not a known scale; use one of {', '.join(map(repr, SCALES))}.")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ParamError(f"seed={seed!r} is not valid; use a non-negative integer.")
     model = check_model(model)
     control = check_control(control, controls)
-    return Params(scale=scale, device=resolve_device(device), seed=seed, model=model, control=control)
+    device = resolve_device(device) if resolve or device == "cuda" else check_device(device)
+    return Params(scale=scale, device=device, seed=seed, model=model, control=control)

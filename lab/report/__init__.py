@@ -26,9 +26,6 @@ from pathlib import Path
 from urllib.parse import quote
 
 import nbformat
-from nbconvert import HTMLExporter
-from nbconvert.preprocessors import Preprocessor
-from traitlets.config import Config
 
 from lab.core.records import fmt
 
@@ -105,36 +102,16 @@ def ensure_static(out_dir: Path) -> Path:
     return static
 
 
-class PlotlyToHTML(Preprocessor):
-    """Replace each plotly JSON output by an HTML div that draws it with the page's plotly.js."""
-
-    def preprocess_cell(self, cell, resources, index):
-        import plotly.io as pio
-
-        for output in cell.get("outputs", []):
-            fig = output.get("data", {}).pop(PLOTLY_MIME, None)
-            if fig is not None:
-                output["data"]["text/html"] = pio.to_html(
-                    fig, config=fig.get("config"), include_plotlyjs=False, include_mathjax=False,
-                    full_html=False, default_height=525, validate=False)
-        return cell, resources
-
-
 def export_html(executed: Path, out_html: Path, *, static: str = "_static") -> Path:
-    """Render an executed notebook to ``out_html`` (atomically) with the ``offline_lab`` template.
+    """Render an executed notebook to ``out_html`` (atomically) with the ``offline_lab`` template
+    (`lab.report.page`, imported here so that runs without pages never load nbconvert).
 
     ``static`` is the URL of the static folder relative to the page. Cells tagged ``hide-input``
     show their outputs only.
     """
-    config = Config()
-    config.TagRemovePreprocessor.enabled = True
-    config.TagRemovePreprocessor.remove_input_tags = {"hide-input"}
-    exporter = HTMLExporter(config=config, template_name="offline_lab",
-                            extra_template_basedirs=[str(TEMPLATES)])
-    exporter.register_preprocessor(PlotlyToHTML(), enabled=True)
-    nb = nbformat.read(executed, as_version=4)
-    body, _ = exporter.from_notebook_node(nb, resources={"lab_static": static})
-    return atomic_write(Path(out_html), body)
+    from lab.report.page import render
+
+    return atomic_write(Path(out_html), render(executed, static=static))
 
 
 # ---------------------------------------------------------------------------------------------- index
