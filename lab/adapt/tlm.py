@@ -41,6 +41,7 @@ from torch import Tensor
 
 from lab.adapt.entropy_tta import eata_objective, entropy_of_continuation, fisher_information, tent_objective
 from lab.adapt.loop import AdaptLog, Objective, adapt, adapt_online
+from lab.core.stages import stage
 from lab.data.domains import MarkovDomains, RetentionDomains, answer_scores
 from lab.models import TinyLM, TrainResult
 
@@ -275,18 +276,33 @@ def run_online(toy: Toy, *, sel: bool, lr: float | None = None) -> dict:
     return {**toy.score(m, log), "stream": pool_scores(parts)}
 
 
+ARM_CONTROLS = {"TLM": ("no_sel", "no_adapt"), "online TLM": ("no_sel", "no_adapt"), "Tent": ("entropy_as_ppl",),
+                "EATA": ("entropy_as_ppl",)}  # the arms each control substitutes in (`arms`, `run_online`)
+
+
 def run_arms(toy: Toy) -> tuple[dict[str, dict], list[dict]]:
     """Adapt a fresh copy of the base model per arm on the unlabeled stream — offline (`adapt`, one epoch) for
     `arms`, then online TLM with and without SEL (`run_online`) — and score each (`Toy.score`). Returns {arm:
-    scores} and TLM's Obs. 1 checkpoints ({"step", "out_ppl", "in_ppl"} on the held-out target questions)."""
-    cfg, results, curve = toy.cfg, {}, []
-    for name, (objective, lora, lr) in arms(toy).items():
-        m = toy.lora_copy() if lora else copy.deepcopy(toy.base)
-        probe = (lambda m=m: perplexities(m, toy.held, device=toy.device)) if name == "TLM" else None
-        log = adapt(m, toy.inputs, objective(m), lr=lr, probe=probe, every=cfg.probe_every if probe else 0)
-        if name == "TLM":
-            curve = log.checkpoints
-        results[name] = toy.score(m, log, entropy=name in ("Tent", "EATA"))
-    results["online TLM"] = run_online(toy, sel=cfg.sel, lr=cfg.tlm_lr)
-    results["online TLM w/o SEL"] = run_online(toy, sel=False)
+    scores} and TLM's Obs. 1 checkpoints ({"step", "out_ppl", "in_ppl"} on the held-out target questions). Each
+    arm is a cached stage that sees the control only if it substitutes in that arm, so a control run can reuse the
+    arms it does not change (`lab.core.stages`: a hit also needs the same random state at the arm's start)."""
+    results, curve = {}, []
+    for name in (*arms(toy), "online TLM", "online TLM w/o SEL"):
+        control = toy.cfg.control if toy.cfg.control in ARM_CONTROLS.get(name, ()) else ""
+        results[name], checkpoints = run_arm(replace(toy, cfg=replace(toy.cfg, control=control)), name)
+        curve = checkpoints if name == "TLM" else curve
     return results, curve
+
+
+@stage
+def run_arm(toy: Toy, name: str) -> tuple[dict, list[dict]]:
+    """One arm of `run_arms`: its scores and, for offline arms, the probe's checkpoints (TLM's only)."""
+    cfg = toy.cfg
+    if name.startswith("online TLM"):
+        sel = name == "online TLM" and cfg.sel
+        return run_online(toy, sel=sel, lr=cfg.tlm_lr if name == "online TLM" else None), []
+    objective, lora, lr = arms(toy)[name]
+    m = toy.lora_copy() if lora else copy.deepcopy(toy.base)
+    probe = (lambda: perplexities(m, toy.held, device=toy.device)) if name == "TLM" else None
+    log = adapt(m, toy.inputs, objective(m), lr=lr, probe=probe, every=cfg.probe_every if probe else 0)
+    return toy.score(m, log, entropy=name in ("Tent", "EATA")), log.checkpoints if name == "TLM" else []

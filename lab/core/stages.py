@@ -1,14 +1,14 @@
 """Stage results cached on disk, so a control run (or a re-run) recomputes only what actually changed.
 
-`@stage` wraps a deterministic, expensive step of a paper's pipeline — a sweep of trained arms, a rollout study.
-Its key hashes everything the step can depend on: every argument (tensors by their bytes, modules by their weights,
-dataclasses by their fields, generators by their state, tokenizers by their vocabulary), the global random states
-it may draw from (torch, numpy, python) and the source of the whole `lab` and `kernels` packages, so an edit
-anywhere in the library, another seed or any changed input is a miss. A hit returns the stored result and puts
-every random state (the global ones and every generator among the arguments, however deep) where the computation
-left it, so the rest of the notebook runs exactly as if the step had been computed: cached and computed runs are
-bit-identical (tests/core/test_stages.py). This is what lets a control that only swaps the scores a step trains
-with skip the rollout study it does not touch.
+`@stage` wraps a deterministic, expensive step of a paper's pipeline — a sweep of trained arms, a rollout study. Its
+key hashes everything the step can depend on: every argument (tensors by their bytes, modules by their weights,
+dataclasses by their fields, generators by their state, tokenizers by their vocabulary, an object with a
+`__stage_key__()` method by what it returns), the global random states it may draw from (torch, numpy, python) and
+the source of the whole `lab` and `kernels` packages, so an edit anywhere in the library, another seed or any
+changed input is a miss. A hit returns the stored result and puts every random state (the global ones and every
+generator among the arguments, however deep) where the computation left it, so the rest of the notebook runs exactly
+as if the step had been computed: cached and computed runs are bit-identical (tests/core/test_stages.py). This is
+what lets a control that only swaps the scores a step trains with skip the rollout study it does not touch.
 
 Entries live in `<LAB_CACHE>/stages/<module.function>/<key>.pt` (`lab.models.train.cache_dir`); an unreadable
 entry is deleted and recomputed. It is on at smoke scale (`lab.core.setup` calls `configure`) and off at full scale,
@@ -91,6 +91,9 @@ def _feed(h, x: Any, seen: dict[int, Any], gens: list[torch.Generator]) -> None:
     if id(x) in seen:
         return tag("cycle")
     seen[id(x)] = x  # kept alive while hashing, so a temporary's id is never reused for another object
+    if callable(getattr(type(x), "__stage_key__", None)):  # an object that says what identifies it
+        tag(f"keyed {type(x).__qualname__}")
+        return _feed(h, x.__stage_key__(), seen, gens)
     if isinstance(x, torch.nn.Module):
         tag(f"module {type(x).__qualname__} training={x.training}")
         return _feed(h, x.state_dict(), seen, gens)

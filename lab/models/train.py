@@ -64,6 +64,11 @@ class TrainResult:
     seconds: float  # wall time of the training run that produced the weights
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def __stage_key__(self) -> torch.nn.Module:
+        """What identifies the result for `lab.core.stages`: the weights, not how long they took or whether they
+        came from the cache."""
+        return self.model
+
 
 def optimize(params, step_loss: Callable[[int], torch.Tensor], *, steps: int, lr: float, grad_clip: float | None = None,
              optimizer: type[torch.optim.Optimizer] = torch.optim.Adam, desc: str = "train",

@@ -110,6 +110,11 @@ def test_key_of_hashes_by_value_and_refuses_identity_only_objects():
     assert stages.key_of({"a": t, "b": [1, 2.0]}) == stages.key_of({"b": [1, 2.0], "a": t.clone()})
     assert stages.key_of(t) != stages.key_of(t.reshape(3, 2))  # same bytes, other shape
     assert stages.key_of(t) != stages.key_of(t.double())
+    from lab.models.train import TrainResult
+
+    model = torch.nn.Linear(2, 2)
+    trained, loaded = TrainResult(model, [1.0], False, "k", 3.0), TrainResult(model, [], True, "k", 0.0)
+    assert stages.key_of(trained) == stages.key_of(loaded)  # by the weights, not by how they were obtained
     many = [Cfg(i, 0.5) for i in range(50)]  # temporaries made while hashing must not be mistaken for cycles
     assert stages.key_of(many) != stages.key_of([*many[:-1], Cfg(99, 0.5)])
     assert stages.key_of(torch.tensor([True, False])) != stages.key_of(torch.tensor([False, True]))
