@@ -1,0 +1,203 @@
+"""MAGELLAN: Little-Zoo's rules, the simulated learner, the samplers' arithmetic, the estimator, the checkpoint path."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lab.agents import little_zoo as lz
+from lab.agents import magellan as mg
+
+W, F, P, H, C = ("water", "water"), ("furniture", "chair"), ("plant", "carrot"), ("herbivore", "cow"), \
+    ("carnivore", "lion")
+
+
+@pytest.mark.parametrize("instr,target,scene,fam", [
+    ("grasp", F, (F, P, H, W), 0),
+    ("grasp", W, (F, P, H, W), 0),
+    ("grasp", C, (F, P, H, W), 4),  # target absent
+    ("grow", P, (P, W, F, H), 1),
+    ("grow", P, (P, F, H, C), 4),  # no water
+    ("grow", H, (H, W, P, F), 2),
+    ("grow", H, (H, W, F, C), 4),  # no plant
+    ("grow", C, (C, W, H, P), 3),
+    ("grow", C, (C, W, H, F), 4),  # no plant
+    ("grow", C, (C, W, P, F), 4),  # no herbivore
+    ("grow", F, (F, W, P, H), 4),  # furniture cannot grow
+    ("grow", W, (F, W, P, H), 4),  # water cannot grow
+])
+def test_family_follows_little_zoo_rules(instr, target, scene, fam):
+    assert lz.family(instr, target, scene) == fam
+
+
+def test_goal_space_has_the_paper_proportions_and_distinct_consistent_goals():
+    sp = lz.make_goal_space(25_000, seed=1)
+    assert np.bincount(sp.family, minlength=5).tolist() == [4001, 800, 160, 32, 20007]
+    assert len(set(sp.goals)) == len(sp) == 25_000
+    for g, f, tok in zip(sp.goals[:500], sp.family[:500], sp.tokens[:500]):
+        assert lz.family(*g) == f
+        words = [sp.words[t] for t in tok]
+        assert words[0] == g[0] and tuple(words[1:3]) == g[1] and len(words) == 11
+        assert sp.text(0).startswith("goal: ")
+    test = lz.make_goal_space(500, seed=0, split="test")  # held-out objects only
+    train_names = {n for _, n in lz.objects("train")} - {"water"}
+    assert not any(o[1] in train_names for g in test.goals for o in g[2])
+
+
+def test_student_competence_and_update_by_hand():
+    st = lz.Student(eta=0.5, init=0.5)
+    assert np.allclose(st.family_competence(), [0.5, 0.25, 0.125, 0.0625, 0.0])
+    st.attempt(np.array([2, 4]), np.random.default_rng(0))  # practise herbivore: s_h += η·s_g·s_p·(1 − s_h)
+    assert np.allclose(st.s, [0.5, 0.5, 0.5 + 0.5 * 0.25 * 0.5, 0.5])
+    r = lz.Student(init=0.0).attempt(np.array([0, 1, 4]), np.random.default_rng(0))
+    assert r.tolist() == [0, 0, 0]
+
+
+def test_epsilon_schedule_and_eps_greedy():
+    cfg = mg.Config(eps_start=1.0, eps_end=0.2, eps_decay=10.0)
+    assert mg.epsilon(0, cfg) == pytest.approx(1.0)
+    assert mg.epsilon(10, cfg) == pytest.approx(0.2 + 0.8 * np.exp(-1))
+    p = mg.eps_greedy(np.array([0.0, 0.3, 0.1, 0.0]), 0.2)
+    assert np.allclose(p, [0.05, 0.05 + 0.8 * 0.75, 0.05 + 0.8 * 0.25, 0.05])
+    assert np.allclose(mg.eps_greedy(np.zeros(4), 0.2), 0.25)
+
+
+def test_half_alp_and_recency_weights_by_hand():
+    assert mg.half_alp([1]) == 0.0
+    assert mg.half_alp([0, 0, 1, 1]) == pytest.approx(1.0)
+    assert mg.half_alp([1, 0, 0, 1, 1]) == pytest.approx(abs(2 / 3 - 1 / 2))  # older = first n//2
+    assert mg.half_alp([1, 1, 0, 0]) == pytest.approx(1.0)  # absolute: forgetting counts
+    assert np.allclose(mg.recency_weights(4), np.array([1, 2, 3, 4]) / 10)
+
+
+@pytest.fixture(scope="module")
+def small():
+    cfg = mg.Config.for_scale("smoke", n_goals=600, rounds=40, R=4, N=8, fifo=4)
+    return lz.make_goal_space(cfg.n_goals, 0), cfg
+
+
+def test_online_alp_is_a_per_goal_fifo(small):
+    sp, cfg = small
+    s = mg.OnlineALP(sp, cfg)
+    seq = [1, 0, 0, 1, 1, 1]
+    s.update(0, np.array([5] * len(seq)), np.array(seq, dtype=float))
+    s.update(0, np.array([7]), np.array([1.0]))
+    assert s.alp[5] == pytest.approx(mg.half_alp(seq[-4:])) and s.alp[7] == 0.0 and s.estimate[5] == 0.75
+    assert np.isnan(s.estimate[8])
+
+
+def test_ek_probs_mix_buckets_then_uniform_inside(small):
+    sp, cfg = small
+    s = mg.EKOnlineALP(sp, cfg)
+    fam = sp.family
+    g_plant = np.flatnonzero(fam == 1)[0]
+    s.update(0, np.array([g_plant] * 4), np.array([0, 0, 1, 1.0]))  # plant bucket ALP = 1, the others 0
+    p, eps = s.probs(0), mg.epsilon(0, cfg)
+    bucket = np.array([p[fam == f].sum() for f in range(5)])
+    assert np.allclose(bucket, [eps / 5, eps / 5 + (1 - eps), eps / 5, eps / 5, eps / 5])
+    assert np.allclose(p[fam == 1], p[fam == 1][0]) and p.sum() == pytest.approx(1.0)
+
+
+def test_estimator_object_table_equals_a_naive_per_goal_encoder(small):
+    sp, cfg = small
+    torch.manual_seed(0)
+    est = mg.Estimator(sp, cfg)
+    idx = torch.arange(50)
+    with torch.no_grad():
+        got = est.embed(idx)
+        E = est.emb.weight  # naive: each word's vector plus its lexicon attributes', every goal's own tokens
+        wv = torch.stack([E[i] + sum((E[sp.words.index(a)] for a in lz.LEXICON.get(w, ())), torch.zeros_like(E[i]))
+                          for i, w in enumerate(sp.words)])
+        x = wv[est.tokens[idx]]
+        objs = x[:, 1:].reshape(50, 5, -1)
+        q, k, v = est.qkv(objs).chunk(3, -1)
+        a = torch.softmax(torch.einsum("be,bje->bj", q[:, 0], k[:, 1:]) / k.shape[-1] ** 0.5, -1)
+        read = torch.einsum("bj,bje->be", a, v[:, 1:])
+        ref = est.encoder(torch.cat([x[:, 0], objs[:, 0], read, objs[:, 1:].mean(1)], 1))
+    assert torch.allclose(got, ref, atol=1e-6)
+    assert est.predict().shape == (len(sp),) and len(list(est.head)) == 3  # Linear(d,128)-tanh-Linear(128,1)
+
+
+def test_magellan_delay_buffer_and_alp(small):
+    sp, cfg = small
+    assert cfg.n_snapshots == int(8 / 4 + 1) == 3
+    res = mg.run(sp, "magellan", cfg, seed=0)
+    s = res["sampler"]
+    assert len(s.snapshots) == 3
+    weights, cached = s.snapshots[0]
+    assert np.allclose(s.delayed.predict(), cached, atol=1e-6)  # cached predictions = the delayed model's
+    cur = s.model.state_dict()
+    assert any(not torch.equal(weights[k], cur[k]) for k in weights)  # a clone, not a reference
+    alp = np.abs(s.snapshots[-1][1] - cached)
+    assert np.array_equal(s.alp, np.where(alp < cfg.threshold, 0, alp))
+    assert res["competence"].shape == (41, 5) and res["sampled"].sum() == 40 * cfg.episodes
+
+
+def test_no_delay_gives_zero_alp(small):
+    sp, cfg = small
+    cfg0 = mg.Config.for_scale("smoke", "no_delay", n_goals=600, rounds=12, R=4)
+    assert cfg0.N == 0 and cfg0.n_snapshots == 1
+    s = mg.run(sp, "magellan", cfg0, seed=0)["sampler"]
+    assert (s.alp == 0).all()
+
+
+def test_oracle_alp_is_the_true_competence_change(small):
+    sp, cfg = small
+    res = mg.run(sp, "oracle", cfg, seed=0)
+    comp, s = res["competence"], res["sampler"]
+    t = cfg.rounds  # last recompute at round 40 (R divides it)
+    fam_alp = np.abs(comp[t] - comp[t - cfg.N])
+    assert np.allclose(s.alp, np.where(fam_alp < cfg.threshold, 0, fam_alp)[sp.family])
+
+
+def test_goal_features_take_the_last_real_token():
+    from lab.models.tokenizer import word_tokenizer
+    from lab.models.zoo import tiny_llama
+
+    sp = lz.make_goal_space(20, 0)
+    tok = word_tokenizer(lz.vocabulary())
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=len(tok), d_model=16, n_layers=1, n_heads=2).eval()
+    h = mg.goal_features(m, tok, sp, batch=7)
+    one = tok(sp.text(3), return_tensors="pt")
+    ref = m(**one, output_hidden_states=True).hidden_states[-1][0, -1]
+    assert h.shape == (20, 16) and torch.allclose(h[3], ref, atol=1e-5)
+
+
+def test_widgets_build(small):
+    from lab.widgets.magellan import competence_explorer, competence_figure, embedding_figure
+
+    sp, cfg = small
+    res = mg.run(sp, "magellan", cfg, seed=0)
+    fig = competence_figure({(600, 8): res, (600, 0): res})
+    assert len(fig.data) == 16 and len(fig.layout.updatemenus[0].buttons) == 2
+    box = competence_explorer({(600, 8): res, (600, 0): res})
+    box.controls[1].value = 0
+    assert box.key == (600, 0)
+    emb = res["sampler"].model.embed(torch.arange(len(sp))).detach().numpy()
+    assert len(embedding_figure(emb, sp.family).data) == 5
+
+
+@pytest.mark.notebook
+def test_checkpoint_folder_gives_goal_embeddings(tmp_path):
+    """model=<folder>: a saved tiny Llama's hidden states are h(g); MAGELLAN's head runs on them, measured."""
+    from lab.models.tokenizer import word_tokenizer
+    from lab.models.zoo import tiny_llama
+
+    from ..conftest import run_lab
+
+    tok = word_tokenizer(lz.vocabulary())
+    torch.manual_seed(0)
+    tiny_llama(vocab_size=len(tok), d_model=24, n_layers=1, n_heads=2).save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    proc = run_lab("run", "10_magellan", "-p", "model", str(tmp_path / "ckpt"), "-p", "n_goals", "1000",
+                   "-p", "rounds", "16", "--out", str(tmp_path / "out"), "--no-page")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "out" / "10_magellan.json").read_text())
+    assert rec["status"] == "measured" and rec["claims"] == []
+    ck = rec["metrics"]["checkpoint"]
+    assert ck["hidden_size"] == 24 and ck["n_goals"] == 1000 and set(ck["final_competence"]) >= {"magellan", "random"}
+    assert 0 <= ck["mae_never_sampled"] <= 1
