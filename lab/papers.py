@@ -78,7 +78,7 @@ PAPERS: tuple[Paper, ...] = (
           "Franck Signe Talla, Édouard Grave, Hervé Jégou", "2410.02744"),
     Paper(16, "banditspec", "BanditSpec", "BanditSpec: Adaptive Speculative Decoding via Bandit Algorithms",
           "Yunlong Hou, Fengzhuo Zhang, Cunxiao Du, Xuan Zhang, Jiachun Pan, Tianyu Pang, Chao Du, "
-          "Vincent Y. F. Tan, Zhuoran Yang", "2505.15141"),
+          "Vincent Y. F. Tan, Zhuoran Yang", "2505.15141", bench="lab.reasoning.banditspec_bench"),
     Paper(17, "over_tokenized", "Over-tokenized",
           "Over-Tokenized Transformer: Vocabulary is Generally Worth Scaling",
           "Hongzhi Huang, Defa Zhu, Banggu Wu, Yutao Zeng, Ya Wang, Qiyang Min, Xun Zhou", "2501.16975"),

@@ -1,0 +1,190 @@
+"""BanditSpec's decoding loop (Alg. 3 with `SpecDecSub` = Alg. 1/6) for any pair of `transformers` causal LMs
+that share a tokenizer: drafters, KV caches cropped on rejection, greedy and rejection-sampling verification.
+
+- An arm is (drafter, γ): `LMDrafter` (a small causal LM, its own `DynamicCache`) or `PromptLookup` (n-gram match
+  over prompt + generated text, as `transformers`' `PromptLookupCandidateGenerator`: longest n-gram first, the
+  earliest earlier occurrence with a continuation). A drafter proposes up to γ tokens and, for sampling, their
+  draft distributions q (PLD's q is one-hot).
+- Caches hold a prefix of the verified text; each call first crops a cache to the longest common prefix with the
+  current text and feeds what is missing (an idle drafter catches up with the tokens other arms produced).
+- Greedy: accept the longest prefix of drafts equal to the target argmax, then the target's argmax (the official
+  `sail-sg/BanditSpec` rule). Sampling (Leviathan et al. 2023 / Chen et al. 2023, the paper's Alg. 6): accept x̃_i
+  w.p. min(1, p_i(x̃_i)/q_i(x̃_i)); on the first rejection sample from norm([p_i − q_i]_+) and stop; if all γ are
+  accepted, a bonus token from p_γ. The output then has exactly the target's distribution (Prop. 3.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from lab.reasoning.banditspec import make_policy
+
+
+def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in float64 (greedy callers use argmax on the logits instead)."""
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+class Cached:
+    """A causal LM with a KV cache over a prefix of the text; `logits(ids)` returns the next-token logits at the
+    last (n_new + 1) positions after syncing, where the first n_new of them follow fed-but-unchecked tokens."""
+
+    def __init__(self, model):
+        self.model, self.cache, self.held = model, None, []
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def feed(self, ids: list[int], n_out: int = 1) -> torch.Tensor:
+        """Make the cache hold `ids` and return the logits (n_out, V) of the last n_out positions of ids."""
+        common = 0
+        for a, b in zip(self.held, ids):
+            if a != b:
+                break
+            common += 1
+        keep = min(common, len(ids) - n_out)  # the last n_out positions must be recomputed for their logits
+        if self.cache is None:
+            self.cache = DynamicCache()
+        drop = self.cache.get_seq_length() - keep
+        if drop > 0:
+            self.cache.crop(-drop)  # crop on rejection (transformers 5: a negative count of tokens to remove)
+        new = torch.tensor([ids[keep:]], device=self.device)
+        out = self.model(input_ids=new, cache=self.cache, use_cache=True)  # transformers 5: `cache=`
+        self.held = list(ids)
+        self.calls = getattr(self, "calls", 0) + 1
+        return out.logits[0, -n_out:].float()
+
+
+class LMDrafter:
+    """A small causal LM drafting autoregressively from its own cache."""
+
+    kind = "lm"
+
+    def __init__(self, model):
+        self.lm = Cached(model)
+
+    def propose(self, ids: list[int], gamma: int, *, greedy: bool, temperature: float,
+                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        """Up to γ draft tokens and their draft distributions q (γ, V) (None when greedy)."""
+        drafts, qs, ctx = [], [], list(ids)
+        for _ in range(gamma):
+            logits = self.lm.feed(ctx)[-1]
+            if greedy:
+                x = int(logits.argmax())
+            else:
+                q = probs(logits, temperature)
+                x = int(torch.multinomial(q.cpu(), 1, generator=gen))
+                qs.append(q)
+            drafts.append(x)
+            ctx.append(x)
+        return drafts, (torch.stack(qs) if qs else None)
+
+
+class PromptLookup:
+    """Prompt-lookup decoding: the continuation of the earliest earlier match of the text's last n-gram, n from
+    `max_ngram` down to 1; no match → no drafts (the round is one plain target step)."""
+
+    kind = "pld"
+
+    def __init__(self, max_ngram: int = 3, vocab_size: int | None = None):
+        self.max_ngram, self.vocab_size = max_ngram, vocab_size
+
+    def propose(self, ids: list[int], gamma: int, *, greedy: bool, temperature: float,
+                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        arr = np.asarray(ids)
+        for n in range(min(self.max_ngram, len(ids) - 1), 0, -1):
+            tail = arr[-n:]
+            win = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # windows that end before the last token
+            for s in np.flatnonzero((win == tail).all(axis=1)):
+                cont = ids[s + n: s + n + gamma]
+                if cont:
+                    q = None if greedy else torch.nn.functional.one_hot(torch.tensor(cont), self.vocab_size).double()
+                    return cont, q
+        return [], None
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    drafter: object
+    gamma: int
+
+
+def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
+    """(accepted count k, bonus token): longest prefix of drafts equal to argmax, then argmax at position k.
+    `logits` (len(drafts)+1, V): row i predicts the token after drafts[:i]."""
+    top = logits.argmax(-1).tolist()
+    k = 0
+    while k < len(drafts) and drafts[k] == top[k]:
+        k += 1
+    return k, top[k]
+
+
+def verify_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int],
+                  gen: torch.Generator | None) -> tuple[int, int]:
+    """(k, next token) by speculative sampling: p (γ+1, V) target, q (γ, V) draft distributions."""
+    for i, x in enumerate(drafts):
+        if torch.rand((), generator=gen, dtype=torch.float64) < min(1.0, float(p[i, x] / q[i, x])):
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)  # norm([p − q]_+)
+        return i, int(torch.multinomial((residual / residual.sum()).cpu(), 1, generator=gen))
+    return len(drafts), int(torch.multinomial(p[len(drafts)].cpu(), 1, generator=gen))
+
+
+@dataclass
+class Trace:
+    """One prompt's decoding: new tokens, per round the arm, drafts offered and accepted (Y = accepted + 1)."""
+
+    tokens: list[int]
+    arms: list[int] = field(default_factory=list)
+    offered: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    source: list[int] = field(default_factory=list)  # per new token: arm index that drafted it, −1 = target
+
+    @property
+    def rounds(self) -> int:  # the stopping time ST = target calls
+        return len(self.arms)
+
+    @property
+    def mat(self) -> float:  # mean accepted tokens per round, bonus included
+        return len(self.tokens) / max(self.rounds, 1)
+
+
+def bandit_generate(target, arms: list[Arm], prompt: list[int], max_new: int, *, policy: str = "UCBSpec",
+                    greedy: bool = True, temperature: float = 1.0, seed: int = 0, eos: int | None = None,
+                    cr_scale: float = 1.0, delta: float = 0.5, radius: str = "paper",
+                    bandit: str = "bandit") -> Trace:
+    """BanditSpec (Alg. 3) on one prompt: each round the policy picks an arm from the history, the arm drafts,
+    the target verifies all drafts in one forward call; the bandit restarts for every prompt. Rounds stop once
+    `max_new` tokens (or eos) are out; the output is cut there, as `generate(max_new_tokens=...)` does."""
+    L = max(a.gamma for a in arms)
+    pol = make_policy(policy, len(arms), 1, rng=np.random.default_rng(seed), L=L, delta=delta, cr_scale=cr_scale,
+                      radius=radius, bandit=bandit)
+    gen = torch.Generator().manual_seed(seed)
+    tgt, ids, tr = Cached(target), list(prompt), Trace([])
+    for a in arms:  # a fresh cache per prompt for every LM drafter
+        if a.drafter.kind == "lm":
+            a.drafter.lm.cache, a.drafter.lm.held = None, []
+    while len(tr.tokens) < max_new and (eos is None or eos not in tr.tokens):
+        i = int(pol.select()[0])
+        arm = arms[i]
+        drafts, q = arm.drafter.propose(ids, arm.gamma, greedy=greedy, temperature=temperature, gen=gen)
+        logits = tgt.feed(ids + drafts, n_out=len(drafts) + 1)  # one verification call of P
+        if greedy:
+            k, nxt = verify_greedy(logits, drafts)
+        else:
+            k, nxt = verify_sample(probs(logits, temperature), q, drafts, gen)
+        out = drafts[:k] + [nxt]
+        ids += out
+        tr.tokens += out
+        tr.source += [i] * k + [-1]
+        tr.arms.append(i)
+        tr.offered.append(len(drafts))
+        tr.accepted.append(k)
+        pol.update(np.array([i]), np.array([k + 1.0]))
+    cut = len(tr.tokens) if eos is None or eos not in tr.tokens else tr.tokens.index(eos) + 1
+    tr.tokens, tr.source = tr.tokens[:min(cut, max_new)], tr.source[:min(cut, max_new)]
+    return tr
