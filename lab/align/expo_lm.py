@@ -19,6 +19,7 @@ from lab.align.exact import all_sequences, fit_exact, seq_logprobs
 from lab.align.expo import Config, kl_exact, pair_loss
 from lab.align.tokens import token_dists, token_kl
 from lab.align.train import optimize
+from lab.core.stages import stage
 
 
 def tilt(logp: Tensor, target_kl: float, generator: torch.Generator) -> Tensor:
@@ -97,12 +98,20 @@ def lm_sweep(toy: LMToy, cfg: Config, seed: int, methods: tuple[str, ...] = ("dp
     kls, policies = {}, {}
     for method in methods:
         for lam in cfg.lm_lams:
-            policy = copy.deepcopy(toy.reference)
-            logp = train_lm(cfg.loss(method), policy, toy.prompts, toy.seqs, toy.ref_logp, toy.star_logp, lam,
-                            V=cfg.V, steps=cfg.lm_steps, lr=cfg.lm_lr, batch=cfg.lm_batch,
-                            generator=torch.Generator().manual_seed(seed + 1))
-            kls[method, lam], policies[method, lam] = (toy.star_logp.exp() * (toy.star_logp - logp)).sum(-1), policy
+            kls[method, lam], policies[method, lam] = lm_run(toy, cfg.loss(method), lam, V=cfg.V, steps=cfg.lm_steps,
+                                                             lr=cfg.lm_lr, batch=cfg.lm_batch, seed=seed)
     return kls, policies
+
+
+@stage
+def lm_run(toy: LMToy, loss: str, lam: float, *, V: int, steps: int, lr: float, batch: int,
+           seed: int) -> tuple[Tensor, torch.nn.Module]:
+    """One run of `lm_sweep`, keyed by the loss it trains (a control that substitutes EXPO's loss reuses the
+    substitute's own runs): KL(π* ‖ π_θ) on the (good, bad) prompts and the trained policy."""
+    policy = copy.deepcopy(toy.reference)
+    logp = train_lm(loss, policy, toy.prompts, toy.seqs, toy.ref_logp, toy.star_logp, lam, V=V, steps=steps, lr=lr,
+                    batch=batch, generator=torch.Generator().manual_seed(seed + 1))
+    return (toy.star_logp.exp() * (toy.star_logp - logp)).sum(-1), policy
 
 
 # ------------------------------------- the regularizer beyond enumeration, measured exactly on the toy
