@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from lab.adapt import neutral_residues as nr
 from lab.core import params
+from lab.core.stages import stage
 from lab.data.two_languages import TwoLanguages
 from lab.models.spec import TinyLM
 from lab.models.train import TrainConfig, lr_lambda
@@ -176,11 +177,19 @@ def run_arm(base, cfg: Config, arm: Arm, sets: dict, seed: int, device: str = "c
     streams = {} if streams is None else streams
     if arm.p not in streams:
         streams[arm.p] = batches(cfg, arm.p, seed)
-    model, adapters, info = adapt(base, streams[arm.p], arm, lora_r=cfg.lora_r, seed=seed, device=device)
+    result, trained = trained_arm(base, replace(cfg, control=""), arm, sets, streams[arm.p], seed, device)
     if keep is not None:
-        keep["last"] = (model, adapters)
-    return {**measure(model, adapters, sets), "trainable": info["trainable"], "seconds": info["seconds"],
-            "losses": info["losses"]}
+        keep["last"] = trained
+    return result
+
+
+@stage
+def trained_arm(base, cfg: Config, arm: Arm, sets: dict, stream: list[dict], seed: int, device: str) -> tuple:
+    """`run_arm`'s work as a cached stage: the arm already carries the control (`Config.arm`), so `cfg` comes
+    without it and a control run reuses every arm it does not bend. Returns (metrics, (model, adapters))."""
+    model, adapters, info = adapt(base, stream, arm, lora_r=cfg.lora_r, seed=seed, device=device)
+    return ({**measure(model, adapters, sets), "trainable": info["trainable"], "seconds": info["seconds"],
+             "losses": info["losses"]}, (model, adapters))
 
 
 def study(cfg: Config, seed: int, device: str = "cpu") -> dict:
