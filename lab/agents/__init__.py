@@ -1,1 +1,2 @@
-"""Agents: learning-progress curricula over large goal spaces (`magellan`, MAGELLAN)."""
+"""Agents: learning-progress curricula over large goal spaces (`magellan`, MAGELLAN; `little_zoo`: the goal space and
+the simulated learner)."""

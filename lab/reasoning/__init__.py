@@ -1,2 +1,2 @@
-"""Reasoning-time methods: latent-token reasoning traces (`latent_tokens`, Token Assorted) and adaptive speculative
-decoding (`banditspec`, BanditSpec)."""
+"""Reasoning-time methods: adaptive speculative decoding (`banditspec`, BanditSpec; `banditspec_decode`: the loop;
+`banditspec_bench`: the toy, the checkpoint path and `python -m lab bench banditspec`)."""
