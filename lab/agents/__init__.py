@@ -1,2 +1,3 @@
 """Agents: learning-progress curricula over large goal spaces (`magellan`, MAGELLAN; `little_zoo`: the goal space and
-the simulated learner)."""
+the simulated learner), and the model behind an agent (`backends`: offline rules, a local `transformers` LM, or any
+OpenAI-compatible server) for sequential falsification (`popper`, POPPER) and text-to-SQL (`sgu_sql`, SGU-SQL)."""
