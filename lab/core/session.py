@@ -26,7 +26,11 @@ def seed_everything(seed: int, *, cuda: bool = False) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds CUDA too
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    if cuda or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:  # the same switch for eager kernels; torch's wrapper also sets inductor's flag, and importing inductor's
+        # config costs ~2 s in every notebook kernel (nothing here uses torch.compile on CPU)
+        torch._C._set_deterministic_algorithms(True, warn_only=True)
 
 
 def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str = "tiny", control: str = "", *,
