@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lab.core import bench
 from lab.core.params import Params
+from lab.core.stages import stage
 from lab.data.chains import PermutationChains
 from lab.models import TrainConfig, TrainResult, fit
 from lab.models.zoo import tiny_mixtral
@@ -92,7 +93,17 @@ def sparsity_errors(model: nn.Module, xs_cal: list[Tensor], xs_ev: list[Tensor],
                     control: str = "", seed: int = 0) -> dict[str, list[float]]:
     """Theorem 3.1 / Table 5 measured: {on: [error at each k]} — S_t on a_on with per-expert thresholds from the
     calibration inputs (Eq. 6), relative MoE-output error on the held-out inputs averaged over layers 1.. (layer 0
-    stays dense). Under `gate_for_up` the gate and up masks are exchanged; under `random_mask` they are random."""
+    stays dense). Under `gate_for_up` the gate and up masks are exchanged; under `random_mask` they are random.
+    A cached stage: the other controls leave it as the default run computed it."""
+    return _sparsity_errors(model, xs_cal, xs_ev, tuple(ks), control if control in MASK_CONTROLS else "", seed)
+
+
+MASK_CONTROLS = ("gate_for_up", "random_mask")  # the controls that change which entries a mask keeps
+
+
+@stage
+def _sparsity_errors(model: nn.Module, xs_cal: list[Tensor], xs_ev: list[Tensor], ks: tuple[float, ...],
+                     control: str, seed: int) -> dict[str, list[float]]:
     out = {}
     for on in fl.MATRICES:
         src = fl.mask_source(on, control)
@@ -102,6 +113,7 @@ def sparsity_errors(model: nn.Module, xs_cal: list[Tensor], xs_ev: list[Tensor],
     return out
 
 
+@stage
 def quant_sensitivity(model: nn.Module, batch: dict[str, Tensor], xs: list[Tensor], bits: tuple[int, ...],
                       base: float, group_size: int = 64) -> dict[tuple[str, int], dict[str, float]]:
     """Table 7: {(matrix, bits): {loss, err}} — one matrix of every expert HQQ-quantized, the eval-loss increase
@@ -206,10 +218,15 @@ class Decoder:
 
     def decode(self, policy: str, kw: dict, gbps: float | None = None, n: int | None = None) -> dict:
         """Loss, bytes/token, tokens/s, miss rate, device-resident expert bytes and the last token's spans of one
-        policy over the first n sequences (all by default)."""
+        policy over the first n sequences (all by default). Over the simulator (deterministic) a cached stage; on
+        CUDA always run, as its times are measurements."""
+        gbps = self.pcie_gbps if gbps is None else gbps
+        return self.run(policy, kw, gbps, n) if self.device == "cuda" else _simulated(self, policy, kw, gbps, n)
+
+    def run(self, policy: str, kw: dict, gbps: float, n: int | None = None) -> dict:
         out = {"nll": [], "bytes": [], "sec": [], "miss": 0, "calls": 0}
         for s in self.seqs[:n]:
-            eng = OffloadEngine(self.model, policy, self.link(self.pcie_gbps if gbps is None else gbps),
+            eng = OffloadEngine(self.model, policy, self.link(gbps),
                                 device=self.device, predictor=self.predictor, seed=self.seed, **kw)
             logits, st = eng.run(s[None])
             out["nll"].append(F.cross_entropy(logits[:-1].float(), s[1:]).item())
@@ -255,6 +272,12 @@ class Decoder:
             for name in out:
                 out[name].append(res[name]["tps"] if name in res else None)
         return out
+
+
+@stage
+def _simulated(dec: Decoder, policy: str, kw: dict, gbps: float, n: int | None) -> dict:
+    """`Decoder.run` over the simulator, cached by the model, sequences, predictor, policy and bandwidth."""
+    return dec.run(policy, kw, gbps, n)
 
 
 # ------------------------------------------------------------------------ `python -m lab bench floe`
