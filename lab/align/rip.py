@@ -29,6 +29,7 @@ from torch import Tensor
 from lab.align import losses
 from lab.align.train import train_pairs
 from lab.core.params import check_control
+from lab.core.stages import stage
 from lab.data.instructions import RESPONSE_LEN, InstructionWorld
 from lab.models import TinyLM, TrainResult
 from lab.models.sample import sample_responses
@@ -183,10 +184,11 @@ def seed_model(world: InstructionWorld, cfg: Config, *, seed: int, device: str) 
     return cfg.base.fit(world, len(world.tokenizer), seed=seed, device=device)
 
 
+@stage
 def make_pool(world: InstructionWorld, model, n: int, bad_frac: float, N: int, *, generator: torch.Generator,
               device: str = "cpu") -> tuple[dict[str, Tensor], Tensor, Pool]:
     """§3's pool: n prompts (a `bad_frac` share low-quality), N responses each sampled at T = 1, judged, and
-    paired best vs worst: (prompts, responses Y (n, N, L), the `Pool`)."""
+    paired best vs worst: (prompts, responses Y (n, N, L), the `Pool`). A cached stage (controls filter it)."""
     p = world.prompts(n, generator, bad_frac=bad_frac)
     Y = sample_responses(model, p["prompt"].to(device), N, RESPONSE_LEN, generator=generator, temperature=1.0)
     return p, Y, best_vs_worst(world.reward(p, Y, generator), world.length(Y))
