@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lab.compress import roste
+from lab.compress import roste, roste_checkpoint
 from lab.compress import rotate as R
 from lab.compress.quant import fake_quant, pack, quant_codes, unpack
 
@@ -133,7 +133,7 @@ def test_save_and_load_rebuild_the_fake_quant_model(tmp_path):
     m = tiny_llama(vocab_size=20, d_model=32, n_layers=2, n_heads=4, d_ff=64).eval()
     rot = R.Rotations.draw(m.config, 0)
     q = R.quantize_model(m, R.QuantSpec(), rot, r1=True, choice=[{"R2": True, "R3": True, "R4": True}] * 2)
-    saved = roste.save(q, None, rot, str(tmp_path / "out"))
+    saved = roste_checkpoint.save(q, None, rot, str(tmp_path / "out"))
     assert saved["reload_max_abs_logit_diff"] < 1e-5 and saved["linear_bytes_w4"] < saved["linear_bytes_bf16"]
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # a plain Llama folder
     assert plain.config.model_type == "llama"
@@ -147,7 +147,7 @@ def test_wrong_family_is_one_sentence(tmp_path):
     tiny_mixtral(vocab_size=10, d_model=32, n_layers=1, n_heads=4, d_ff=32).save_pretrained(tmp_path)
     word_tokenizer(["a", "b"]).save_pretrained(tmp_path)
     with pytest.raises(ParamError, match="Llama-family"):
-        roste.load_checkpoint(str(tmp_path))
+        roste_checkpoint.load_checkpoint(str(tmp_path))
 
 
 @pytest.mark.notebook
