@@ -1,0 +1,102 @@
+"""FloE on a researcher's MoE checkpoint (notebook 05's `model=<folder or hub id>` path): the toy's measurements on
+the given model, calibrated and evaluated on the given text.
+
+`load_moe` refuses, from the config alone and before any weight is read, a model that has no sparse-MoE experts
+(FloE compresses and offloads experts; a dense model has none). `checkpoint` cuts the text (`lab.data.text`) into
+token blocks, half to calibrate the per-expert thresholds on |a_up| (Eq. 6) and half held out, and measures what the
+toy measures: the sparsity sensitivity of each matrix (Table 5), the kept fraction actually reached by the INT2 W_up
+mask on held-out inputs (the thresholds are calibrated on the full-precision up projection), the FloE expert against
+its baselines at equal sparsity (loss and layer error), and the offload engine's bytes per token, tokens per second
+(modelled by the device-tier simulator on CPU, measured with CUDA events on a GPU), misses and device-resident
+expert bytes per policy. Measurements only: the toy's thresholds say nothing about another model.
+
+Precision: the model is loaded in float32, as the engine computes dequantized experts in float32 (running bf16/fp16
+checkpoints natively on the GPU path is open work). Layer 0 stays dense, as in the notebook's toy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lab.core.params import ParamError
+from lab.moe import blocks
+from lab.moe import floe as fl
+from lab.moe import floe_bench as fb
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")  # fused `experts` + `gate` router per layer in transformers 5
+
+
+def load_moe(model: str, device: str = "cpu") -> tuple[nn.Module, object]:
+    """`(model, tokenizer)` of a sparse MoE of `FAMILIES`; any other model is refused with one sentence before its
+    weights are read."""
+    from transformers import AutoConfig
+
+    from lab.models import load_model
+
+    try:
+        kind = AutoConfig.from_pretrained(model).model_type
+    except (OSError, ValueError):
+        kind = None  # not loadable: `load_model` says why, in one sentence
+    if kind is not None and kind not in FAMILIES:
+        raise ParamError(f"model={model!r} is a {kind!r} model without sparse-MoE experts; FloE compresses and "
+                         f"offloads experts, so it needs an MoE of the Mixtral or Qwen-MoE family "
+                         f"({', '.join(FAMILIES)}).")
+    net, tok = load_model(model, device=device, dtype=torch.float32)
+    if not all(hasattr(m, "experts") and hasattr(m, "gate") for m in blocks.moe_blocks(net)):
+        raise ParamError(f"model={model!r} has decoder layers without a sparse-MoE block; FloE needs experts in "
+                         "every layer.")
+    if tok is None:
+        raise ParamError(f"model={model!r} has no tokenizer in its folder; save one beside the weights.")
+    return net, tok
+
+
+@torch.no_grad()
+def kept_fraction(experts: dict[tuple[int, int], fl.FloEExpert], model: nn.Module, xs: list[torch.Tensor]) -> float:
+    """The share of up neurons the FloE mask keeps on the tokens routed to each expert (layers 1..), averaged over
+    routed (token, expert) pairs: the sparsity actually reached with the INT2 W_up."""
+    kept = total = 0
+    for l, (mlp, x) in enumerate(zip(blocks.moe_blocks(model), xs)):
+        if l == 0:
+            continue
+        _, _, idx = blocks.route(mlp, x)
+        for e in idx.unique().tolist():
+            tok = (idx == e).any(-1)
+            _, m = experts[l, e].mask(x[tok])
+            kept, total = kept + m.sum().item(), total + m.numel()
+    return kept / max(1, total)
+
+
+def checkpoint(model: str, data: str, cfg: fl.Config, *, k: float = 0.8, n_blocks: int = 8, block_len: int = 128,
+               n_decode: int = 1, pcie_gbps: float = 25.0, seed: int = 0, device: str = "cpu") -> dict:
+    """FloE's measurements on `model` with calibration / held-out text from `data` (module docstring)."""
+    from lab.data.text import load_texts, token_blocks
+
+    if not data:
+        raise ParamError("a checkpoint needs calibration text: pass -p data <a .txt/.jsonl file or a datasets name>.")
+    if not 0 < k < 1:
+        raise ParamError(f"k={k} must be a sparsity in (0, 1): the share of each expert's up neurons dropped.")
+    net, tok = load_moe(model, device)
+    ids = token_blocks(load_texts(data, seed=seed), tok, 2 * n_blocks, block_len)
+    if len(ids) < 2:
+        raise ParamError(f"data={data!r} gives {len(ids)} block(s) of {block_len} tokens; FloE needs at least 2 "
+                         "(one to calibrate, one held out): pass more text or a smaller block_len.")
+    dev = next(net.parameters()).device
+    cal, ev = ids[: len(ids) // 2].to(dev), ids[len(ids) // 2:].to(dev)
+    batch = {"input_ids": ev, "labels": ev}
+    xs_cal, xs_ev = blocks.moe_inputs(net, cal), blocks.moe_inputs(net, ev)
+    base = blocks.eval_loss(net, batch)
+    t_up = fl.thresholds(net, xs_cal, k, "up")
+    experts = fl.floe_experts(net, t_up, cfg.nbits, cfg.group_size)
+    variants = fb.expert_variants(net, xs_cal, t_up, k, experts, nbits=cfg.nbits, group_size=cfg.group_size)
+    layers = list(range(1, len(xs_ev)))
+    dec = fb.Decoder(net, ev[:n_decode], device, pcie_gbps, seed=seed)
+    engine = {name: {key: v for key, v in r.items() if key != "spans"}
+              for name, r in dec.decode_all(fb.engine_policies(1 - k)).items()}
+    mlp0 = blocks.moe_blocks(net)[0]
+    return {"model": {"type": net.config.model_type, "layers": len(xs_ev), "experts": mlp0.experts.down_proj.shape[0],
+                      "top_k": mlp0.gate.top_k, "params": sum(p.numel() for p in net.parameters())},
+            "loss": base, "sparsity_errors": fb.sparsity_errors(net, xs_cal, xs_ev, cfg.ks),
+            "kept_fraction": {"target": 1 - k, "reached with INT2 W_up": kept_fraction(experts, net, xs_ev)},
+            "variants": fb.variant_quality(net, batch, xs_ev, variants, base, layers), "engine": engine,
+            "dense_decode_loss": dec.dense_loss()}
