@@ -151,6 +151,11 @@ def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeou
                             cwd=str(path.parent), execution_timeout=cell_timeout, start_timeout=120,
                             progress_bar=False, log_output=False)
     except pm.PapermillExecutionError as e:
+        if e.ename == "ParamError":  # the notebook refused its input (a wrong model family, missing data): no report
+            os.environ.pop("LAB_RECORD_FILE", None)
+            for leftover in (Path(jsonl), out / f"{stem}.ipynb"):
+                leftover.unlink(missing_ok=True)
+            raise ParamError(f"{stem}: {e.evalue}") from None
         status = "failed" if e.ename == "ClaimFailed" else "error"
         error = f"{e.ename}: {e.evalue}"
     except Exception as e:  # kernel death, timeout, ...
@@ -193,11 +198,21 @@ def cmd_run(args) -> int:
     overrides = {k: parse_value(v) for k, v in args.param}
     todo = plan(resolve(args.names, args.notebooks), overrides)  # raises before anything is written
     out = Path(args.out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     ok = True
     for path, ov, params in todo:
         timeout = args.cell_timeout or (300 if params["scale"] == "smoke" else 7200)
-        rec = run_one(path, ov, params, out, cell_timeout=timeout, page=not args.no_page)
+        try:
+            rec = run_one(path, ov, params, out, cell_timeout=timeout, page=not args.no_page)
+        except ParamError as e:
+            if len(todo) == 1:
+                if created and not any(out.iterdir()):
+                    out.rmdir()
+                raise  # one sentence, exit 2
+            print(f"{path.stem:<28} refused  {e}", flush=True)  # `run all` goes on with the other notebooks
+            ok = False
+            continue
         n_pass = sum(c["passed"] for c in rec["claims"])
         print(f"{rec['notebook']:<28} {rec['status']:<7} {rec['seconds']:7.1f} s  "
               f"claims {n_pass}/{len(rec['claims'])}  {out / (rec['notebook'] + '.html')}", flush=True)

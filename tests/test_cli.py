@@ -137,6 +137,17 @@ def test_bad_names_and_parameters_write_nothing(nbdir, tmp_path):
     assert not out.exists()
 
 
+def test_a_notebook_that_refuses_its_input_is_one_sentence_and_writes_nothing(tmp_path):
+    """A ParamError raised inside the kernel (a wrong model family, missing data) is bad input, not a crash."""
+    nbs, out = tmp_path / "nbs", tmp_path / "r"
+    nbs.mkdir()
+    write_nb(nbs, "01_refuse", 'raise lab.core.ParamError("model=\'x\' is a dense model; this needs an MoE.")')
+    proc = lab("run", "01_refuse", "--out", str(out), nbdir=nbs)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "error: 01_refuse: model='x' is a dense model; this needs an MoE."
+    assert not out.exists()
+
+
 def test_resolve_and_parse(nbdir):
     assert [p.stem for p in resolve(["claim", "01_good"], nbdir)] == ["02_claim", "01_good"]
     assert len(resolve(["all"], nbdir)) == 4

@@ -41,3 +41,28 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype=None, attn_imple
     except (OSError, ValueError):
         tokenizer = None
     return (model if device == "cuda" else model.to(device)).eval(), tokenizer
+
+
+def load_reward_model(name_or_path: str, *, device: str = "cpu", dtype=None):
+    """`(model, tokenizer)` of a scalar reward model: a `transformers` sequence-classification model with one label
+    (e.g. `OpenAssistant/reward-model-deberta-v3-large-v2`, Skywork-Reward), from a folder or the local HF cache.
+    Anything else is refused with one sentence (`ModelNotAvailable`)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    local = Path(os.path.expanduser(name_or_path))
+    source = str(local) if local.is_dir() else name_or_path
+    try:
+        spread = {"device_map": "auto"} if device == "cuda" else {}
+        model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype, **spread)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise ModelNotAvailable(f"reward model {name_or_path!r} is neither a folder with a sequence-classification "
+                                f"model and its tokenizer nor such a model in the local Hugging Face cache "
+                                f"({type(e).__name__}).") from e
+    if model.config.num_labels != 1:
+        raise ModelNotAvailable(f"reward model {name_or_path!r} has {model.config.num_labels} labels; a reward model "
+                                "scores with one (num_labels=1).")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return (model if device == "cuda" else model.to(device)).eval(), tokenizer
