@@ -1,0 +1,452 @@
+"""Procedural SQLite databases and NL→SQL pairs for cross-domain text-to-SQL (the Spider setting, in miniature).
+
+Twelve domains share one shape: entities A, B, C, a bridge AB (A–B many-to-many) and B.c_id → C, so the FK graph is
+the chain A – AB – B – C. Every entity has `id` and `name` and two attributes from a shared pool, so column names
+repeat across tables (`name` everywhere, `city`/`year`/`age` in several): a question about "the name" is ambiguous
+until it is tied to a table. Each database is a real file (`build_db`) under a cache folder.
+
+A question is sampled as a *plan* — the SQL syntax tree at clause level (FROM, WHERE with an optional sub-query,
+GROUP BY/HAVING, SELECT, ORDER BY/LIMIT, INTERSECT/EXCEPT) — and rendered twice: to SQL (`render_sql`) and to
+templated English with synonyms (`render_nl`), whose tokens carry their role (`Token.role`), so the gold alignment
+of question words to schema items is known. `hardness` is Spider's rule on component counts (taoyds/spider
+`evaluation.py`, `eval_hardness`), computed on the sqlglot AST. `execute`/`same_result` are execution accuracy
+(multisets; row order only under ORDER BY); `read_schema`/`spider_folder` read and write the Spider folder format
+(`database/<db>/<db>.sqlite` + questions JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sqlite3
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sqlglot
+from sqlglot import exp
+
+# domain: (A, B, C, bridge AB)
+DOMAINS = {
+    "concerts": ("singer", "concert", "stadium", "performance"),
+    "school": ("student", "course", "teacher", "enrollment"),
+    "library": ("member", "book", "author", "loan"),
+    "clinic": ("patient", "doctor", "hospital", "appointment"),
+    "flights": ("passenger", "flight", "airline", "booking"),
+    "shop": ("customer", "product", "supplier", "purchase"),
+    "film": ("actor", "film", "studio", "casting"),
+    "sports": ("player", "team", "league", "contract"),
+    "museum": ("visitor", "exhibit", "gallery", "visit"),
+    "hotel": ("guest", "hotel", "chain", "stay"),
+    "company": ("employee", "project", "department", "assignment"),
+    "music": ("listener", "album", "label", "review"),
+}
+NUMERIC = ("age", "year", "price", "rating", "capacity", "salary", "height", "score", "budget")
+TEXT = ("city", "country")
+CITIES = ("Paris", "Lima", "Oslo", "Cairo", "Delhi", "Tokyo", "Austin", "Porto")
+COUNTRIES = ("France", "Peru", "Norway", "Egypt", "India", "Japan")
+OPS = {">": ("more than", "above", "greater than", "over"), "<": ("less than", "below", "under", "smaller than"),
+       "=": ("equal to", "exactly")}
+AGG = {"AVG": ("average", "mean"), "MAX": ("maximum", "largest"), "MIN": ("minimum", "smallest")}
+
+
+@dataclass(frozen=True)
+class Schema:
+    """Tables in listing order, their columns, and FK edges `(table, column, ref_table, ref_column)`."""
+
+    db_id: str
+    tables: tuple[tuple[str, tuple[str, ...]], ...]
+    fks: tuple[tuple[str, str, str, str], ...]
+
+    def columns(self, table: str) -> tuple[str, ...]:
+        return dict(self.tables)[table]
+
+    @property
+    def table_names(self) -> list[str]:
+        return [t for t, _ in self.tables]
+
+    def fk_path(self, src: str, dst: str) -> list[tuple[str, str, str, str]]:
+        """The FK edges of a shortest path src → dst (breadth first over the undirected FK graph); [] if none."""
+        prev, frontier = {src: None}, [src]
+        while frontier and dst not in prev:
+            nxt = []
+            for u in frontier:
+                for e in self.fks:
+                    for a, b in ((e[0], e[2]), (e[2], e[0])):
+                        if a == u and b not in prev:
+                            prev[b] = (u, e)
+                            nxt.append(b)
+            frontier = nxt
+        if dst not in prev:
+            return []
+        path, node = [], dst
+        while prev[node] is not None:
+            node, e = prev[node]
+            path.append(e)
+        return path[::-1]
+
+
+@dataclass(frozen=True)
+class Token:
+    word: str
+    role: tuple = ()  # ("col", table, column) | ("tab", table) | ("val", value) | ()
+    slot: str = ""  # the plan element it renders ("sel", "t", "w0", "w0v", "rel1", "nest", ...)
+
+
+@dataclass
+class Item:
+    db_id: str
+    question: str
+    sql: str
+    plan: dict
+    tokens: list[Token] = field(default_factory=list)
+    hardness: str = ""
+
+
+def make_schema(domain: str) -> Schema:
+    a, b, c, ab = DOMAINS[domain]
+    rng = random.Random(sorted(DOMAINS).index(domain))
+    nums = rng.sample(NUMERIC, 3)
+    shared_text = rng.choice(TEXT)
+    tables = ((a, ("id", "name", nums[0], shared_text)),
+              (b, ("id", "name", nums[1], shared_text, f"{c}_id")),
+              (c, ("id", "name", rng.choice(nums), "country" if shared_text == "city" else "city")),
+              (ab, (f"{a}_id", f"{b}_id")))
+    fks = ((ab, f"{a}_id", a, "id"), (ab, f"{b}_id", b, "id"), (b, f"{c}_id", c, "id"))
+    return Schema(domain, tables, fks)
+
+
+def _value(col: str, rng: random.Random):
+    if col == "city":
+        return rng.choice(CITIES)
+    if col == "country":
+        return rng.choice(COUNTRIES)
+    lo, hi = {"age": (18, 80), "year": (1990, 2024)}.get(col, (1, 100))
+    return rng.randint(lo, hi)
+
+
+def build_db(schema: Schema, folder: Path, seed: int, rows: tuple[int, int, int, int] = (40, 24, 8, 70)) -> Path:
+    """Write `<folder>/<db_id>/<db_id>.sqlite` (Spider's layout) with random rows; returns its path."""
+    rng = random.Random(f"{schema.db_id}:{seed}")
+    path = Path(folder) / schema.db_id / f"{schema.db_id}.sqlite"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = _connections.pop(str(path), None)
+    if old is not None:
+        old.close()
+    path.unlink(missing_ok=True)
+    con = sqlite3.connect(path)
+    (a, _), (b, _), (c, _), (ab, _) = schema.tables
+    for (t, cols), n in zip(schema.tables, rows, strict=True):
+        refs = {e[1]: e[2] for e in schema.fks if e[0] == t}
+        decl = [f"{k} {'INTEGER PRIMARY KEY' if k == 'id' else 'INTEGER' if k in refs or k in NUMERIC else 'TEXT'}"
+                for k in cols] + [f"FOREIGN KEY ({k}) REFERENCES {r}(id)" for k, r in refs.items()]
+        con.execute(f"CREATE TABLE {t} ({', '.join(decl)})")
+        size = dict(zip((a, b, c), rows, strict=False))
+        seen = set()
+        for i in range(n):
+            row = []
+            for k in cols:
+                row.append(i + 1 if k == "id" else f"{t}_{i + 1}" if k == "name"
+                           else rng.randint(1, size[refs[k]]) if k in refs else _value(k, rng))
+            if t == ab and tuple(row) in seen:
+                continue
+            seen.add(tuple(row))
+            con.execute(f"INSERT INTO {t} VALUES ({', '.join('?' * len(row))})", row)
+    con.commit()
+    con.close()
+    return path
+
+
+# ------------------------------------------------------------------ plans: sampling and rendering
+
+def _attrs(schema: Schema, t: str, kind=None) -> list[str]:
+    return [k for k in schema.columns(t) if k not in ("id", "name") and not k.endswith("_id")
+            and (kind is None or (k in NUMERIC) == (kind == "num"))]
+
+
+def _cond(schema: Schema, t: str, rng: random.Random) -> tuple:
+    col = rng.choice(_attrs(schema, t))
+    op = rng.choice(("=",)) if col in TEXT else rng.choice((">", "<", ">", "<", "="))
+    return (t, col, op, _value(col, rng))
+
+
+def sample_plan(schema: Schema, rng: random.Random) -> dict:
+    """A random clause-level plan; the mix covers Spider's four hardness levels."""
+    a, b, c, _ = (t for t, _ in schema.tables)
+    t = rng.choice((a, b, c))
+    others = [x for x in (a, b, c) if x != t]
+    p = {"t": t, "sel": ("col", "name"), "where": [], "rel": None, "nest": None, "group": None, "having": None,
+         "order": None, "setop": None}
+    r = rng.random()
+    if r < 0.15:
+        p["sel"] = ("count",)
+    elif r < 0.3:
+        p["sel"] = ("agg", rng.choice(tuple(AGG)), rng.choice(_attrs(schema, t, "num")))
+    elif r < 0.45 and _attrs(schema, t, "text"):
+        p["sel"], p["group"] = ("group",), _attrs(schema, t, "text")[0]
+        if rng.random() < 0.5:
+            p["having"] = (rng.choice((">", "<")), rng.randint(1, 4))
+    elif r < 0.65:
+        p["sel"] = ("col", rng.choice(("name", "name", *_attrs(schema, t))))
+    if rng.random() < 0.5:
+        p["where"].append(_cond(schema, t, rng))
+    if rng.random() < 0.45:
+        p["rel"] = rng.choice(others)
+        p["where"].append(_cond(schema, p["rel"], rng))
+    if rng.random() < 0.3:
+        if rng.random() < 0.5 and p["sel"][0] != "group":
+            p["nest"] = ("above_avg", rng.choice(_attrs(schema, t, "num")))
+        else:
+            r2 = rng.choice([x for x in others if x != p["rel"]])
+            p["nest"] = ("not_in", r2, _cond(schema, r2, rng) if rng.random() < 0.5 else None)
+    if p["sel"][0] == "col" and p["group"] is None and rng.random() < 0.35:
+        p["order"] = (rng.choice(_attrs(schema, t, "num")), rng.choice(("ASC", "DESC")),
+                      rng.choice((None, rng.randint(2, 5))))
+    if p["sel"][0] == "col" and not (p["rel"] or p["nest"] or p["order"]) and rng.random() < 0.3:
+        p["setop"] = (rng.choice(("INTERSECT", "EXCEPT")), _cond(schema, t, rng))
+    return p
+
+
+def lit(v) -> str:
+    return f"'{v}'" if isinstance(v, str) else str(v)
+
+
+def join_clause(schema: Schema, tables: list[str]) -> str:
+    """`FROM t0 JOIN ... ON ...` joining every table to the first along shortest FK paths."""
+    out, have = [tables[0]], [tables[0]]
+    for dst in tables[1:]:
+        if dst in have:
+            continue
+        src = min(have, key=lambda s: len(schema.fk_path(s, dst)) or 99)
+        node = src
+        for e in schema.fk_path(src, dst):
+            nxt = e[2] if e[0] == node else e[0]
+            if nxt not in have:
+                out.append(f"JOIN {nxt} ON {e[0]}.{e[1]} = {e[2]}.{e[3]}")
+                have.append(nxt)
+            node = nxt
+    return "FROM " + " ".join(out)
+
+
+def sub_not_in(schema: Schema, t: str, r: str, cond: tuple | None) -> tuple[str, str]:
+    """`t.key NOT IN (SELECT ...)`: rows of t with no FK path to a row of r (satisfying `cond`)."""
+    path = schema.fk_path(t, r)
+    if not path:
+        raise ValueError(f"no foreign-key path from {t} to {r}.")
+    e = path[0]
+    outer, inner = ((e[1], e[2] + "." + e[3]) if e[0] == t else (e[3], e[0] + "." + e[1]))
+    first = e[2] if e[0] == t else e[0]
+    tables = [first] + [x for x in (r,) if x != first]
+    where = f" WHERE {cond[0]}.{cond[1]} {cond[2]} {lit(cond[3])}" if cond else ""
+    return f"{t}.{outer}", f"SELECT {inner} {join_clause(schema, tables)}{where}"
+
+
+def render_clauses(schema: Schema, p: dict) -> dict[str, str]:
+    """The plan's SQL, one clause at a time (keys in syntax-tree order: from, where, group, select, order, setop)."""
+    t = p["t"]
+    q = lambda col: col if "." in col else f"{t}.{col}"  # a column of the main table, unless qualified
+    sel = {"col": lambda s: q(s[1]), "count": lambda s: "COUNT(*)", "agg": lambda s: f"{s[1]}({q(s[2])})",
+           "group": lambda s: f"{q(p['group'])}, COUNT(*)"}[p["sel"][0]](p["sel"])
+    conds = [f"{c[0]}.{c[1]} {c[2]} {lit(c[3])}" for c in p["where"]]
+    if p["nest"] and p["nest"][0] == "above_avg":
+        col = q(p["nest"][1])
+        conds.append(f"{col} > (SELECT AVG({col}) FROM {col.split('.')[0]})")
+    elif p["nest"]:
+        key, sub = sub_not_in(schema, t, p["nest"][1], p["nest"][2])
+        conds.append(f"{key} NOT IN ({sub})")
+    out = {"from": join_clause(schema, [t] + ([p["rel"]] if p["rel"] else []) + list(p.get("join", ()))),
+           "where": "WHERE " + " AND ".join(conds) if conds else "",
+           "group": f"GROUP BY {q(p['group'])}" if p["group"] else "", "select": f"SELECT {sel}", "order": "",
+           "setop": ""}
+    if p["having"]:
+        out["group"] += f" HAVING COUNT(*) {p['having'][0]} {p['having'][1]}"
+    if p["order"]:
+        col, d, k = p["order"]
+        out["order"] = f"ORDER BY {q(col)} {d}" + (f" LIMIT {k}" if k else "")
+    if p["setop"]:
+        kind, c = p["setop"]
+        out["setop"] = f"{kind} SELECT {sel} {join_clause(schema, [t, c[0]])} WHERE {c[0]}.{c[1]} {c[2]} {lit(c[3])}"
+    return out
+
+
+ORDER = ("select", "from", "where", "group", "order", "setop")  # SQL's written order
+
+
+def assemble(clauses: dict[str, str]) -> str:
+    return " ".join(clauses[k] for k in ORDER if clauses.get(k))
+
+
+def render_sql(schema: Schema, p: dict) -> str:
+    return assemble(render_clauses(schema, p))
+
+
+def render_nl(p: dict, rng: random.Random) -> list[Token]:
+    """Templated English with synonyms; every schema word and value carries its role and plan slot."""
+    t, out = p["t"], []
+    T = lambda tab, slot, plural=True: Token(tab + ("s" if plural else ""), ("tab", tab), slot)
+    C = lambda tab, col, slot: Token(col, ("col", tab, col), slot)
+    V = lambda v, slot: Token(lit(v) if isinstance(v, str) else str(v), ("val", v), slot)
+    W = lambda text: [Token(w) for w in text.split()]
+    cond = lambda c, slot: ([C(c[0], c[1], slot)] + W(rng.choice(("is ", "")) + rng.choice(OPS[c[2]]))
+                            + [V(c[3], slot + "v")])
+    s = p["sel"]
+    if s[0] == "count":
+        out += W(rng.choice(("how many", "count the", "what is the number of"))) + [T(t, "t")]
+    elif s[0] == "agg":
+        out += W(f"what is the {rng.choice(AGG[s[1]])}") + [C(t, s[2], "sel")] + W("of") + [T(t, "t")]
+    elif s[0] == "group":
+        out += W("for each") + [C(t, p["group"], "sel")] + W(", how many") + [T(t, "t")]
+    else:
+        out += W(rng.choice(("what is the", "list the", "show the"))) + [C(t, s[1], "sel")] + W("of") + [T(t, "t")]
+    for k, c in enumerate(p["where"]):
+        if c[0] != t:
+            out += W(rng.choice(("linked to a", "connected to some"))) + [T(c[0], "rel", False)]
+        out += W(rng.choice(("whose", "with"))) + cond(c, f"w{k}")
+    if p["nest"] and p["nest"][0] == "above_avg":
+        out += W("whose") + [C(t, p["nest"][1], "nest")] + W(rng.choice(("is above the average", "exceeds the mean")))
+    elif p["nest"]:
+        out += W(rng.choice(("not linked to any", "that have no"))) + [T(p["nest"][1], "nest", False)]
+        if p["nest"][2]:
+            out += W("whose") + cond(p["nest"][2], "nc")
+    if p["having"]:
+        out += W(rng.choice(("keeping groups with", "only where the count is"))) + W(rng.choice(OPS[p["having"][0]]))
+        out += [V(p["having"][1], "hv")]
+    if p["order"]:
+        col, d, k = p["order"]
+        out += (W("keeping the top") + [V(k, "ov")] + W("by")) if k else W("sorted by")
+        out += [C(t, col, "oc")] + W("descending" if d == "DESC" else "ascending")
+    if p["setop"]:
+        kind, c = p["setop"]
+        out += W("and also" if kind == "INTERSECT" else "but not those") + W("whose") + cond(c, "sc")
+    return out
+
+
+def make_items(schema: Schema, n: int, rng: random.Random) -> list[Item]:
+    items = []
+    for _ in range(n):
+        p = sample_plan(schema, rng)
+        toks = render_nl(p, rng)
+        sql = render_sql(schema, p)
+        items.append(Item(schema.db_id, " ".join(x.word for x in toks) + "?", sql, p, toks, hardness(sql)))
+    return items
+
+
+# ------------------------------------------------------------------ evaluation
+
+def tokenize(question: str) -> list[str]:
+    """Words of a question: quoted values kept whole, numbers, lower-cased words, punctuation."""
+    words = re.findall(r"'[^']*'|\d+(?:\.\d+)?|[A-Za-z_]+|[^\sA-Za-z0-9']", question)
+    return [w if w.startswith("'") else w.lower() for w in words]
+
+
+def hardness(sql: str) -> str:
+    """Spider's hardness (`eval_hardness`): component counts on the sqlglot AST."""
+    tree = sqlglot.parse_one(sql, read="sqlite")
+    core = tree.this if isinstance(tree, (exp.Intersect, exp.Except, exp.Union)) else tree
+    while isinstance(core, (exp.Intersect, exp.Except, exp.Union)):
+        core = core.this
+    where = core.args.get("where")
+    comp1 = sum(bool(core.args.get(k)) for k in ("where", "group", "order", "limit"))
+    comp1 += len(core.args.get("joins") or [])
+    comp1 += len(list(where.find_all(exp.Or, exp.Like))) if where else 0
+    nested = len([s for s in tree.find_all(exp.Select) if s is not tree and s is not core]) if tree is core else 0
+    comp2 = len(list(tree.find_all(exp.Intersect, exp.Except, exp.Union))) + nested
+    aggs = len(list(core.find_all(exp.AggFunc)))
+    conds = len(list(where.this.find_all(exp.And))) + 1 if where else 0
+    group = core.args.get("group")
+    others = (aggs > 1) + (len(core.expressions) > 1) + (conds > 1) + (bool(group) and len(group.expressions) > 1)
+    if comp1 <= 1 and others == 0 and comp2 == 0:
+        return "easy"
+    if (others <= 2 and comp1 <= 1 and comp2 == 0) or (comp1 <= 2 and others < 2 and comp2 == 0):
+        return "medium"
+    if ((others > 2 and comp1 <= 2 and comp2 == 0) or (2 < comp1 <= 3 and others <= 2 and comp2 == 0)
+            or (comp1 <= 1 and others == 0 and comp2 <= 1)):
+        return "hard"
+    return "extra"
+
+
+class SQLFailure(RuntimeError):
+    """A query that does not run (syntax, unknown column, timeout); its message is one sentence."""
+
+
+_connections: dict[str, sqlite3.Connection] = {}
+
+
+def execute(db: Path | str, sql: str, timeout: float = 2.0) -> list[tuple]:
+    """Rows of `sql` on the database file (read-only, one cached connection per file); SQLFailure on an error or
+    once `timeout` seconds have passed (a progress handler interrupts the query)."""
+    key = str(db)
+    if key not in _connections:
+        if not Path(key).exists():
+            raise SQLFailure(f"the database file {key} does not exist.")
+        _connections[key] = sqlite3.connect(f"file:{key}?mode=ro", uri=True, check_same_thread=False)
+    con = _connections[key]
+    deadline = time.monotonic() + timeout
+    con.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
+    try:
+        return con.execute(sql).fetchall()
+    except sqlite3.Error as e:
+        reason = "timed out" if time.monotonic() > deadline else f"{type(e).__name__}: {e}"
+        raise SQLFailure(f"the query failed ({reason}).") from None
+    except (ValueError, OverflowError) as e:
+        raise SQLFailure(f"the query failed ({type(e).__name__}: {e}).") from None
+
+
+def _norm(rows: list[tuple]) -> list[tuple]:
+    return [tuple(round(v, 4) if isinstance(v, float) else v for v in r) for r in rows]
+
+
+def same_result(pred: list[tuple], gold: list[tuple], ordered: bool) -> bool:
+    """Execution match: equal row lists under ORDER BY, equal multisets otherwise."""
+    p, g = _norm(pred), _norm(gold)
+    return p == g if ordered else Counter(p) == Counter(g)
+
+
+def read_schema(db: Path | str) -> Schema:
+    """A Schema from a SQLite file (tables, columns and foreign keys)."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        names = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table' ORDER BY rowid")]
+        tables = tuple((t, tuple(r[1].lower() for r in con.execute(f"PRAGMA table_info('{t}')"))) for t in names)
+        fks = tuple((t.lower(), r[3].lower(), r[2].lower(), (r[4] or "id").lower()) for t in names
+                    for r in con.execute(f"PRAGMA foreign_key_list('{t}')"))
+    finally:
+        con.close()
+    return Schema(Path(db).stem, tuple((t.lower(), c) for t, c in tables), fks)
+
+
+def spider_folder(folder: Path, items: list[Item], dbs: dict[str, Path], name: str = "dev.json") -> Path:
+    """Write `items` and their databases in Spider's layout: `database/<db>/<db>.sqlite` + `<name>`."""
+    folder = Path(folder)
+    for db_id, src in dbs.items():
+        dst = folder / "database" / db_id / f"{db_id}.sqlite"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(Path(src).read_bytes())
+    rows = [{"db_id": it.db_id, "question": it.question, "query": it.sql} for it in items]
+    (folder / name).write_text(json.dumps(rows, indent=1))
+    return folder
+
+
+def load_spider(folder: Path | str, limit: int | None = None) -> tuple[list[Item], dict[str, Path]]:
+    """Questions (`dev.json`, else the first `*.json` with `db_id`/`question`/`query` or BIRD's `SQL`) and
+    database files of a Spider- or BIRD-format folder."""
+    folder = Path(folder)
+    files = [folder / "dev.json"] if (folder / "dev.json").exists() else sorted(folder.glob("*.json"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no questions JSON (Spider's dev.json or BIRD's dev.json).")
+    rows = json.loads(files[0].read_text())[:limit]
+    dbs = {p.parent.name: p for p in sorted((folder / "database").glob("*/*.sqlite"))}
+    if not dbs:
+        dbs = {p.parent.name: p for p in sorted(folder.glob("*_databases/*/*.sqlite"))}
+    items = []
+    for r in rows:
+        sql = r.get("query") or r.get("SQL") or ""
+        if r["db_id"] in dbs:
+            try:
+                h = hardness(sql)
+            except Exception:
+                h = "extra"
+            items.append(Item(r["db_id"], r["question"], sql, {}, [], h))
+    return items, dbs
