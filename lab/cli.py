@@ -132,6 +132,10 @@ def read_jsonl(path: Path) -> dict:
             "control": by_kind["control"].get("control", {}).get("value")}
 
 
+# exceptions a notebook raises for bad input (lab.core.params, lab.data.text, lab.models.pretrained): one sentence
+BAD_INPUT = ("ParamError", "DataNotAvailable", "ModelNotAvailable")
+
+
 def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeout: int, page: bool = True) -> dict:
     """Execute one notebook, write its executed copy, record and page; returns the record."""
     import nbformat
@@ -151,7 +155,7 @@ def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeou
                             cwd=str(path.parent), execution_timeout=cell_timeout, start_timeout=120,
                             progress_bar=False, log_output=False)
     except pm.PapermillExecutionError as e:
-        if e.ename == "ParamError":  # the notebook refused its input (a wrong model family, missing data): no report
+        if e.ename in BAD_INPUT:  # the notebook refused its input (a wrong model family, missing data): no report
             os.environ.pop("LAB_RECORD_FILE", None)
             for leftover in (Path(jsonl), out / f"{stem}.ipynb"):
                 leftover.unlink(missing_ok=True)

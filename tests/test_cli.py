@@ -137,11 +137,12 @@ def test_bad_names_and_parameters_write_nothing(nbdir, tmp_path):
     assert not out.exists()
 
 
-def test_a_notebook_that_refuses_its_input_is_one_sentence_and_writes_nothing(tmp_path):
-    """A ParamError raised inside the kernel (a wrong model family, missing data) is bad input, not a crash."""
+@pytest.mark.parametrize("error", ["lab.core.ParamError", "__import__('lab.data.text').data.text.DataNotAvailable"])
+def test_a_notebook_that_refuses_its_input_is_one_sentence_and_writes_nothing(tmp_path, error):
+    """Bad input found inside the kernel (a wrong model family, unreadable data) is one sentence, not a crash."""
     nbs, out = tmp_path / "nbs", tmp_path / "r"
     nbs.mkdir()
-    write_nb(nbs, "01_refuse", 'raise lab.core.ParamError("model=\'x\' is a dense model; this needs an MoE.")')
+    write_nb(nbs, "01_refuse", f'raise {error}("model=\'x\' is a dense model; this needs an MoE.")')
     proc = lab("run", "01_refuse", "--out", str(out), nbdir=nbs)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "error: 01_refuse: model='x' is a dense model; this needs an MoE."
