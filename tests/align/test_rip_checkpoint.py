@@ -1,0 +1,91 @@
+"""R.I.P. on a checkpoint: the pool's pairs and metrics from text rows, a pool sampled and scored when the data has
+only prompts, and notebook 13 run end to end on a tiny saved policy and pool."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lab.align import rip as R
+from lab.align import rip_checkpoint as rc
+from lab.core.params import ParamError
+
+WORDS = "the a cat dog sat ran on mat fast slow good bad".split()
+
+
+def rows_():
+    return [{"prompt": "p0", "responses": ["long answer", "ok", "x"], "rewards": [0.9, 0.5, 0.1]},
+            {"prompt": "p1", "responses": ["same", "tie", "bad one"], "rewards": [0.2, 0.2, -1.0]}]
+
+
+def test_pool_is_best_vs_worst_with_character_lengths():
+    pool = rc.pool_of(rows_())
+    ref = R.best_vs_worst(torch.tensor([[0.9, 0.5, 0.1], [0.2, 0.2, -1.0]], dtype=torch.float64),
+                          torch.tensor([[11, 2, 1], [4, 3, 7]]))
+    for f in ("w", "l", "m1", "m2", "m3", "valid"):
+        assert torch.equal(getattr(pool, f), getattr(ref, f)), f
+    assert pool.m2.tolist() == [1.0, 7.0]  # the rejected responses "x" and "bad one", in characters
+    assert rc.pairs(rows_(), pool, torch.tensor([True, True])) == [
+        {"prompt": "p0", "chosen": "long answer", "rejected": "x"},
+        {"prompt": "p1", "chosen": "same", "rejected": "bad one"}]
+    with pytest.raises(ParamError, match="same number of responses"):
+        rc.pool_of([rows_()[0], {**rows_()[1], "responses": ["a"], "rewards": [1.0]}])
+
+
+def test_pool_rows_reads_a_pool_or_samples_and_scores_one(tmp_path):
+    from lab.align.infalign_checkpoint import score
+    from lab.models import load_reward_model
+
+    from .test_infalign_checkpoint import _save_models
+
+    (tmp_path / "pool.jsonl").write_text("\n".join(json.dumps(r) for r in rows_()))
+    got = rc.pool_rows(str(tmp_path / "pool.jsonl"), n=2)
+    assert sorted(r["prompt"] for r in got) == ["p0", "p1"] and all(r["rewards"][0] >= r["rewards"][-1] for r in got)
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": w}) for w in WORDS[:3]))
+    with pytest.raises(ParamError, match="no 'responses'/'rewards' columns"):
+        rc.pool_rows(str(tmp_path / "prompts.jsonl"), n=3)
+    from lab.models import load_model
+
+    _save_models(tmp_path)
+    policy, tok = load_model(str(tmp_path / "policy"))
+    rm, rm_tok = load_reward_model(str(tmp_path / "rm"))
+    got = rc.pool_rows(str(tmp_path / "prompts.jsonl"), n=3, policy=policy, tokenizer=tok, reward_model=rm,
+                       rm_tokenizer=rm_tok, N=4, max_new_tokens=3)
+    assert len(got) == 3 and all(len(r["responses"]) == len(r["rewards"]) == 4 for r in got)
+    again = score(rm, rm_tok, [r["prompt"] for r in got], [r["responses"] for r in got])
+    assert torch.allclose(again, torch.tensor([r["rewards"] for r in got], dtype=torch.float64))
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(300)
+def test_notebook_on_a_saved_policy_and_pool_is_measured(tmp_path):
+    from lab.models.tokenizer import word_tokenizer
+    from lab.models.zoo import tiny_llama
+
+    from ..conftest import run_lab
+
+    tok = word_tokenizer(WORDS)
+    torch.manual_seed(0)
+    tiny_llama(vocab_size=len(tok), d_model=32, n_layers=2, n_heads=4).save_pretrained(tmp_path / "policy")
+    tok.save_pretrained(tmp_path / "policy")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(24):
+        resp = [" ".join(WORDS[j] for j in torch.randint(len(WORDS), (int(k) + 1,), generator=g).tolist())
+                for k in torch.randint(6, (4,), generator=g)]
+        rows.append({"prompt": f"{WORDS[i % 12]} {WORDS[(i + 3) % 12]}", "responses": resp,
+                     "rewards": torch.randn(4, generator=g).tolist()})
+    (tmp_path / "pool.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    proc = run_lab("run", "13_rip", "-p", "model", str(tmp_path / "policy"), "-p", "data", str(tmp_path / "pool.jsonl"),
+                   "-p", "n_prompts", "24", "-p", "held_out", "6", "-p", "epochs", "1.0", "-p", "max_len", "32",
+                   "--out", str(tmp_path / "out"), "--no-page")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "out" / "13_rip.json").read_text())
+    assert rec["status"] == "measured" and rec["claims"] == []
+    ck = rec["metrics"]["checkpoint"]
+    assert set(ck["arms"]) == {"reference", "full", "RIP", "random"}
+    assert ck["kept"]["RIP"] == ck["kept"]["random"] < ck["kept"]["full"] <= 18
+    kept, dropped = ck["mean metrics, kept vs dropped"]["rejected reward"].values()
+    assert kept >= dropped  # RIP keeps the pairs whose rejected response scores high
