@@ -54,16 +54,13 @@ def checkpoint(model: str, data: str, cfg: Config, *, steps: int = 20, lr: float
     from accelerate import Accelerator
 
     from lab.core.params import ParamError
-    from lab.data.text import load_texts, token_blocks
+    from lab.data.text import halves
 
     if not data:
         raise ParamError("a checkpoint needs fine-tuning text: pass -p data <a .txt/.jsonl file or a datasets name>.")
     net, tok = load_checkpoint(model, device)
-    ids = token_blocks(load_texts(data, seed=seed), tok, 2 * n_blocks, block_len)
-    if len(ids) < 2:
-        raise ParamError(f"data={data!r} gives {len(ids)} block(s) of {block_len} tokens; RoSTE needs at least 2.")
     dev = next(net.parameters()).device
-    train_ids, ev = ids[: len(ids) // 2].to(dev), ids[len(ids) // 2:].to(dev)
+    train_ids, ev = (x.to(dev) for x in halves(data, tok, n_blocks, block_len, seed=seed, method="RoSTE"))
     qs, rot = cfg.quant(), Rotations.draw(net.config, seed)
     search = adaptive(net, qs, rot, train_ids)
     q = quantize_model(net, qs, rot, r1=True, choice=search["choice"])

@@ -63,3 +63,18 @@ def token_blocks(texts: list[str], tokenizer, n_blocks: int, block_len: int) -> 
     if n == 0:
         raise DataNotAvailable(f"the text holds {len(ids)} tokens, fewer than one block of {block_len}.")
     return torch.tensor(ids[: n * block_len]).view(n, block_len)
+
+
+def halves(data: str, tokenizer, n_blocks: int, block_len: int, *, seed: int = 0, method: str = "the method",
+           use: str = "calibration text") -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint paths' split: `2·n_blocks` token blocks of `data` (shuffled by `seed`), the first half to
+    calibrate or fine-tune, the second held out. Empty `data` or fewer than two blocks: one `ParamError` sentence."""
+    from lab.core.params import ParamError
+
+    if not data:
+        raise ParamError(f"a checkpoint needs {use}: pass -p data <a .txt/.jsonl file or a datasets name>.")
+    ids = token_blocks(load_texts(data, seed=seed), tokenizer, 2 * n_blocks, block_len)
+    if len(ids) < 2:
+        raise ParamError(f"data={data!r} gives {len(ids)} block(s) of {block_len} tokens; {method} needs at least 2 "
+                         "(one to calibrate, one held out): pass more text or a smaller block_len.")
+    return ids[: len(ids) // 2], ids[len(ids) // 2:]

@@ -70,19 +70,15 @@ def kept_fraction(experts: dict[tuple[int, int], fl.FloEExpert], model: nn.Modul
 def checkpoint(model: str, data: str, cfg: fl.Config, *, k: float = 0.8, n_blocks: int = 8, block_len: int = 128,
                n_decode: int = 1, pcie_gbps: float = 25.0, seed: int = 0, device: str = "cpu") -> dict:
     """FloE's measurements on `model` with calibration / held-out text from `data` (module docstring)."""
-    from lab.data.text import load_texts, token_blocks
+    from lab.data.text import halves
 
     if not data:
         raise ParamError("a checkpoint needs calibration text: pass -p data <a .txt/.jsonl file or a datasets name>.")
     if not 0 < k < 1:
         raise ParamError(f"k={k} must be a sparsity in (0, 1): the share of each expert's up neurons dropped.")
     net, tok = load_moe(model, device)
-    ids = token_blocks(load_texts(data, seed=seed), tok, 2 * n_blocks, block_len)
-    if len(ids) < 2:
-        raise ParamError(f"data={data!r} gives {len(ids)} block(s) of {block_len} tokens; FloE needs at least 2 "
-                         "(one to calibrate, one held out): pass more text or a smaller block_len.")
     dev = next(net.parameters()).device
-    cal, ev = ids[: len(ids) // 2].to(dev), ids[len(ids) // 2:].to(dev)
+    cal, ev = (x.to(dev) for x in halves(data, tok, n_blocks, block_len, seed=seed, method="FloE"))
     batch = {"input_ids": ev, "labels": ev}
     xs_cal, xs_ev = blocks.moe_inputs(net, cal), blocks.moe_inputs(net, ev)
     base = blocks.eval_loss(net, batch)

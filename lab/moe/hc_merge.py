@@ -206,7 +206,7 @@ def file_size(folder: Path) -> int:
 def checkpoint_study(model: str, data: str, n_blocks: int, block_len: int, seed: int, device: str = "cpu"):
     """A checkpoint (`load_model`) of an MoE family, calibrated and evaluated on `data` (`lab.data.text`): the
     first n_blocks token blocks calibrate, the next n_blocks are held out. Returns (Study, tokenizer)."""
-    from lab.data.text import load_texts, token_blocks
+    from lab.data.text import halves
     from lab.models import load_model
 
     if not data:
@@ -217,12 +217,8 @@ def checkpoint_study(model: str, data: str, n_blocks: int, block_len: int, seed:
                          f"the Mixtral or Qwen-MoE family with experts in every layer.")
     if tok is None:
         raise ParamError(f"model={model!r} has no tokenizer in its folder; save one beside the weights.")
-    ids = token_blocks(load_texts(data, seed=seed), tok, 2 * n_blocks, block_len)
-    if len(ids) < 2:
-        raise ParamError(f"data={data!r} gives {len(ids)} block(s) of {block_len} tokens; HC-SMoE needs at least 2 "
-                         "(one to calibrate, one held out): pass more text or a smaller block_len.")
     dev = next(net.parameters()).device
-    cal, ev = ids[: len(ids) // 2].to(dev), ids[len(ids) // 2:].to(dev)
+    cal, ev = (x.to(dev) for x in halves(data, tok, n_blocks, block_len, seed=seed, method="HC-SMoE"))
     return make_study(Path(model).name, net, cal, {"input_ids": ev, "labels": ev}), tok
 
 

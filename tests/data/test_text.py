@@ -39,3 +39,18 @@ def test_bad_data_is_one_sentence(tmp_path):
         load_texts(str(tmp_path / "c.jsonl"))
     with pytest.raises(DataNotAvailable, match="local Hugging Face cache"):
         load_texts("no-such-org/no-such-dataset")
+
+
+def test_halves_split_the_blocks_in_order_and_refuse_too_little(tmp_path):
+    from lab.core.params import ParamError
+    from lab.data.text import halves
+
+    tok = word_tokenizer([f"w{i}" for i in range(10)])
+    (tmp_path / "t.txt").write_text("\n".join(" ".join(f"w{(i + j) % 10}" for j in range(7)) for i in range(6)))
+    cal, ev = halves(str(tmp_path / "t.txt"), tok, 2, 5)
+    blocks = token_blocks(load_texts(str(tmp_path / "t.txt"), seed=0), tok, 4, 5)
+    assert cal.tolist() == blocks[:2].tolist() and ev.tolist() == blocks[2:].tolist()
+    with pytest.raises(ParamError, match="a checkpoint needs calibration text"):
+        halves("", tok, 2, 5)
+    with pytest.raises(ParamError, match="FloE needs at least 2"):
+        halves(str(tmp_path / "t.txt"), tok, 2, 40, method="FloE")
