@@ -12,6 +12,7 @@ import torch
 
 from lab.agents import sgu_sql as sg
 from lab.agents import sgu_sql_study as st
+from lab.agents import sgu_sql_writer as wr
 from lab.agents.backends import BackendError, Offline
 from lab.data import sql_worlds as sw
 
@@ -79,7 +80,7 @@ def test_generation_follows_the_syntax_tree_and_records_failures(concerts):
     asked = []
 
     def agent(msgs):
-        sec = st.parse_prompt(msgs[-1]["content"])
+        sec = wr.parse_prompt(msgs[-1]["content"])
         asked.append(sec.get("clause", "QUERY"))
         return {"FROM": "FROM singer", "SELECT": "SELECT singer.name", "QUERY": "```sql\nSELECT 1;\n```"}.get(
             sec.get("clause", "QUERY"), "NONE")
@@ -108,10 +109,10 @@ def test_gold_skeletons_with_gold_links_reproduce_the_gold_answers(concerts):
     items = sw.make_items(schema, 150, random.Random(2))
     wrong = []
     for it in items:
-        _, mentions = st.mask(sw.tokenize(it.question), schema)
+        _, mentions = wr.mask(sw.tokenize(it.question), schema)
         links = sg.oracle_links(it, schema)
         linked = {f"{t}.{c}" for t, c in links["columns"]}
-        plan = st.decode(st.skeleton(it), mentions, schema, linked, [t.role[1] for t in it.tokens if t.role[:1] ==
+        plan = wr.decode(wr.skeleton(it), mentions, schema, linked, [t.role[1] for t in it.tokens if t.role[:1] ==
                                                                     ("tab",)])
         try:
             ok = sw.same_result(sw.execute(db, sw.render_sql(schema, plan)), sw.execute(db, it.sql),
@@ -127,9 +128,9 @@ def test_gold_skeletons_with_gold_links_reproduce_the_gold_answers(concerts):
 
 def test_name_grounding_prefers_links_then_the_from_tables(concerts):
     schema, _ = concerts
-    assert st.ground_col("name", schema, set(), []) == "singer.name"  # the first listed
-    assert st.ground_col("name", schema, set(), ["concert"]) == "concert.name"
-    assert st.ground_col("name", schema, {"stadium.name"}, ["concert"]) == "stadium.name"
+    assert wr.ground_col("name", schema, set(), []) == "singer.name"  # the first listed
+    assert wr.ground_col("name", schema, set(), ["concert"]) == "concert.name"
+    assert wr.ground_col("name", schema, {"stadium.name"}, ["concert"]) == "stadium.name"
 
 
 def test_ast_metrics_ignore_conjunct_order_and_classify_errors():
@@ -211,7 +212,7 @@ def test_the_loop_runs_through_a_local_http_endpoint_and_records_an_unreachable_
 
     schema, _ = concerts
     agent = Offline(lambda m: {"FROM": "FROM singer", "SELECT": "SELECT singer.name"}.get(
-        st.parse_prompt(m[-1]["content"]).get("clause", ""), "NONE"), "t")
+        wr.parse_prompt(m[-1]["content"]).get("clause", ""), "NONE"), "t")
     server, url = serve(agent)
     try:
         res = sg.generate(OpenAIHTTP("t", base_url=url, api_key="x"), schema, "names of singers?", None, "sgu")
