@@ -191,28 +191,26 @@ def use(model, adapter: str | None):
 
 # ------------------------------------------------------------------ training
 
-def train(model, tokenizer, rows: list[dict], cfg: Config, *, name: str | None = None,
-          quiet: bool | None = None) -> tuple:
-    """Train a new LoRA arm `name` (default the loss's name) on `rows`; returns (the PeftModel, per-step losses)."""
+def fit_adapter(model, data: list, cfg: Config, name: str, collate, loss_of, *, quiet: bool | None = None) -> tuple:
+    """A new LoRA adapter `name` trained `cfg.steps` optimizer steps on `data` (batched by `collate`) by
+    `loss_of(policy, model, batch)` — `policy` the prepared module, `model` the PeftModel (for its reference) —
+    through `accelerate` (gradient accumulation, mixed precision, gradient clipping); returns (the PeftModel, the
+    per-micro-batch losses). The one loop under the preference arms here and cDPO's adapters."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    name = name or cfg.loss
     model = add_adapter(model, cfg, name)
     params = [p for p in model.parameters() if p.requires_grad]
     acc = Accelerator(gradient_accumulation_steps=cfg.grad_accum, mixed_precision=cfg.mixed_precision)
-    loader = DataLoader(rows, batch_size=cfg.batch_size, shuffle=True, drop_last=len(rows) >= cfg.batch_size,
-                        generator=torch.Generator().manual_seed(cfg.seed), collate_fn=partial(
-                            tokenize, tokenizer, max_len=cfg.max_len, max_prompt_len=cfg.prompt_len))
+    loader = DataLoader(data, batch_size=cfg.batch_size, shuffle=True, drop_last=len(data) >= cfg.batch_size,
+                        generator=torch.Generator().manual_seed(cfg.seed), collate_fn=collate)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     policy, opt, loader = acc.prepare(model, opt, loader)
-    reference, options = DisabledAdapter(model), cfg.options(acc.device)
-    batches = itertools.chain.from_iterable(itertools.repeat(loader))
-    losses = []
+    batches, losses = itertools.chain.from_iterable(itertools.repeat(loader)), []
     model.train()
     for _ in progress(range(cfg.steps * cfg.grad_accum), quiet=quiet, desc=name):
         with acc.accumulate(policy):
-            loss = preference_loss(policy, reference, next(batches), cfg.loss, **options)
+            loss = loss_of(policy, model, next(batches))
             acc.backward(loss)
             if acc.sync_gradients:
                 acc.clip_grad_norm_(params, cfg.grad_clip)
@@ -221,6 +219,21 @@ def train(model, tokenizer, rows: list[dict], cfg: Config, *, name: str | None =
         losses.append(loss.item())
     model.eval()
     return acc.unwrap_model(policy), losses
+
+
+def train(model, tokenizer, rows: list[dict], cfg: Config, *, name: str | None = None,
+          quiet: bool | None = None) -> tuple:
+    """Train a new LoRA arm `name` (default the loss's name) on `rows`; returns (the PeftModel, per-step losses)."""
+    options = None
+
+    def loss_of(policy, peft_model, batch):
+        nonlocal options
+        if options is None:  # once per arm, on the batches' device (HPS's sampler is seeded there)
+            options = cfg.options(batch["input_ids"].device)
+        return preference_loss(policy, DisabledAdapter(peft_model), batch, cfg.loss, **options)
+
+    collate = partial(tokenize, tokenizer, max_len=cfg.max_len, max_prompt_len=cfg.prompt_len)
+    return fit_adapter(model, rows, cfg, name or cfg.loss, collate, loss_of, quiet=quiet)
 
 
 # ------------------------------------------------------------------ evaluation
