@@ -23,6 +23,7 @@ from lab.agents import sgu_sql as sg
 from lab.agents.backends import Offline
 from lab.agents.sgu_sql_writer import mask
 from lab.core.stages import stage
+from lab.data import sql_exec as sx
 from lab.data import sql_worlds as sw
 
 ARMS = ("direct", "direct+linker", "sgu", "no_linker", "random_order", "oracle")
@@ -162,13 +163,13 @@ def exact_match(pred: str, gold: str) -> bool:
 def score(item: sw.Item, db: Path, result: dict) -> dict:
     """Execution accuracy (multiset; ordered only under ORDER BY), exact set match, error kind."""
     try:
-        gold_rows = sw.execute(db, item.sql)
-    except sw.SQLFailure as e:
+        gold_rows = sx.execute(db, item.sql)
+    except sx.SQLFailure as e:
         return {"ex": False, "em": False, "why": f"the gold query fails ({e})", "error": "gold fails"}
     try:
-        ok = sw.same_result(sw.execute(db, result["sql"]), gold_rows, "ORDER BY" in item.sql.upper())
+        ok = sx.same_result(sx.execute(db, result["sql"]), gold_rows, "ORDER BY" in item.sql.upper())
         why = result["error"]
-    except sw.SQLFailure as e:
+    except sx.SQLFailure as e:
         ok, why = False, result["error"] or str(e)
     return {"ex": ok, "em": ok and exact_match(result["sql"], item.sql), "why": why,
             "error": "" if ok else ("invalid" if why else error_kind(result["sql"], item.sql))}
@@ -255,8 +256,8 @@ def ask(world: World, backend, linker, vocab, db_id: str, question: str) -> dict
     steps = []
     for clause, partial in res["steps"]:
         try:
-            rows, why = sw.execute(db, partial)[:5], ""
-        except sw.SQLFailure as e:
+            rows, why = sx.execute(db, partial)[:5], ""
+        except sx.SQLFailure as e:
             rows, why = [], str(e)
         steps.append({"clause": clause, "sql": partial, "rows": rows, "error": why})
     return {**res, "question": question, "db_id": db_id, "links": links, "schema": schema, "steps": steps}
@@ -264,8 +265,8 @@ def ask(world: World, backend, linker, vocab, db_id: str, question: str) -> dict
 
 def world_from_folder(folder: str | Path, limit: int | None = None) -> World:
     """A Spider/BIRD-format folder as a World of held-out questions (no training questions)."""
-    items, dbs = sw.load_spider(folder, limit)
-    schemas = {d: sw.read_schema(p) for d, p in dbs.items()}
+    items, dbs = sx.load_spider(folder, limit)
+    schemas = {d: sx.read_schema(p) for d, p in dbs.items()}
     return World(schemas, dbs, [], items, [], sorted(dbs), ("folder", str(Path(folder).resolve()), limit))
 
 

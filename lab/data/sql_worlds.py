@@ -9,19 +9,15 @@ A question is sampled as a *plan* — the SQL syntax tree at clause level (FROM,
 GROUP BY/HAVING, SELECT, ORDER BY/LIMIT, INTERSECT/EXCEPT) — and rendered twice: to SQL (`render_sql`) and to
 templated English with synonyms (`render_nl`), whose tokens carry their role (`Token.role`), so the gold alignment
 of question words to schema items is known. `hardness` is Spider's rule on component counts (taoyds/spider
-`evaluation.py`, `eval_hardness`), computed on the sqlglot AST. `execute`/`same_result` are execution accuracy
-(multisets; row order only under ORDER BY); `read_schema`/`spider_folder` read and write the Spider folder format
-(`database/<db>/<db>.sqlite` + questions JSON).
+`evaluation.py`, `eval_hardness`), computed on the sqlglot AST. Running queries, comparing results and the Spider folder
+format are `lab.data.sql_exec`.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import sqlite3
-import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,9 +128,9 @@ def build_db(schema: Schema, folder: Path, seed: int, rows: tuple[int, int, int,
     rng = random.Random(f"{schema.db_id}:{seed}")
     path = Path(folder) / schema.db_id / f"{schema.db_id}.sqlite"
     path.parent.mkdir(parents=True, exist_ok=True)
-    old = _connections.pop(str(path), None)
-    if old is not None:
-        old.close()
+    from lab.data.sql_exec import forget
+
+    forget(path)  # a cached read-only connection to the file being rewritten
     path.unlink(missing_ok=True)
     con = sqlite3.connect(path)
     (a, _), (b, _), (c, _), (ab, _) = schema.tables
@@ -365,88 +361,3 @@ def hardness(sql: str) -> str:
             or (comp1 <= 1 and others == 0 and comp2 <= 1)):
         return "hard"
     return "extra"
-
-
-class SQLFailure(RuntimeError):
-    """A query that does not run (syntax, unknown column, timeout); its message is one sentence."""
-
-
-_connections: dict[str, sqlite3.Connection] = {}
-
-
-def execute(db: Path | str, sql: str, timeout: float = 2.0) -> list[tuple]:
-    """Rows of `sql` on the database file (read-only, one cached connection per file); SQLFailure on an error or
-    once `timeout` seconds have passed (a progress handler interrupts the query)."""
-    key = str(db)
-    if key not in _connections:
-        if not Path(key).exists():
-            raise SQLFailure(f"the database file {key} does not exist.")
-        _connections[key] = sqlite3.connect(f"file:{key}?mode=ro", uri=True, check_same_thread=False)
-    con = _connections[key]
-    deadline = time.monotonic() + timeout
-    con.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
-    try:
-        return con.execute(sql).fetchall()
-    except sqlite3.Error as e:
-        reason = "timed out" if time.monotonic() > deadline else f"{type(e).__name__}: {e}"
-        raise SQLFailure(f"the query failed ({reason}).") from None
-    except (ValueError, OverflowError) as e:
-        raise SQLFailure(f"the query failed ({type(e).__name__}: {e}).") from None
-
-
-def _norm(rows: list[tuple]) -> list[tuple]:
-    return [tuple(round(v, 4) if isinstance(v, float) else v for v in r) for r in rows]
-
-
-def same_result(pred: list[tuple], gold: list[tuple], ordered: bool) -> bool:
-    """Execution match: equal row lists under ORDER BY, equal multisets otherwise."""
-    p, g = _norm(pred), _norm(gold)
-    return p == g if ordered else Counter(p) == Counter(g)
-
-
-def read_schema(db: Path | str) -> Schema:
-    """A Schema from a SQLite file (tables, columns and foreign keys)."""
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        names = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table' ORDER BY rowid")]
-        tables = tuple((t, tuple(r[1].lower() for r in con.execute(f"PRAGMA table_info('{t}')"))) for t in names)
-        fks = tuple((t.lower(), r[3].lower(), r[2].lower(), (r[4] or "id").lower()) for t in names
-                    for r in con.execute(f"PRAGMA foreign_key_list('{t}')"))
-    finally:
-        con.close()
-    return Schema(Path(db).stem, tuple((t.lower(), c) for t, c in tables), fks)
-
-
-def spider_folder(folder: Path, items: list[Item], dbs: dict[str, Path], name: str = "dev.json") -> Path:
-    """Write `items` and their databases in Spider's layout: `database/<db>/<db>.sqlite` + `<name>`."""
-    folder = Path(folder)
-    for db_id, src in dbs.items():
-        dst = folder / "database" / db_id / f"{db_id}.sqlite"
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(Path(src).read_bytes())
-    rows = [{"db_id": it.db_id, "question": it.question, "query": it.sql} for it in items]
-    (folder / name).write_text(json.dumps(rows, indent=1))
-    return folder
-
-
-def load_spider(folder: Path | str, limit: int | None = None) -> tuple[list[Item], dict[str, Path]]:
-    """Questions (`dev.json`, else the first `*.json` with `db_id`/`question`/`query` or BIRD's `SQL`) and
-    database files of a Spider- or BIRD-format folder."""
-    folder = Path(folder)
-    files = [folder / "dev.json"] if (folder / "dev.json").exists() else sorted(folder.glob("*.json"))
-    if not files:
-        raise FileNotFoundError(f"{folder} holds no questions JSON (Spider's dev.json or BIRD's dev.json).")
-    rows = json.loads(files[0].read_text())[:limit]
-    dbs = {p.parent.name: p for p in sorted((folder / "database").glob("*/*.sqlite"))}
-    if not dbs:
-        dbs = {p.parent.name: p for p in sorted(folder.glob("*_databases/*/*.sqlite"))}
-    items = []
-    for r in rows:
-        sql = r.get("query") or r.get("SQL") or ""
-        if r["db_id"] in dbs:
-            try:
-                h = hardness(sql)
-            except Exception:
-                h = "extra"
-            items.append(Item(r["db_id"], r["question"], sql, {}, [], h))
-    return items, dbs

@@ -14,6 +14,7 @@ from lab.agents import sgu_sql as sg
 from lab.agents import sgu_sql_study as st
 from lab.agents import sgu_sql_writer as wr
 from lab.agents.backends import BackendError, Offline
+from lab.data import sql_exec as sx
 from lab.data import sql_worlds as sw
 
 
@@ -115,9 +116,9 @@ def test_gold_skeletons_with_gold_links_reproduce_the_gold_answers(concerts):
         plan = wr.decode(wr.skeleton(it), mentions, schema, linked, [t.role[1] for t in it.tokens if t.role[:1] ==
                                                                     ("tab",)])
         try:
-            ok = sw.same_result(sw.execute(db, sw.render_sql(schema, plan)), sw.execute(db, it.sql),
+            ok = sx.same_result(sx.execute(db, sw.render_sql(schema, plan)), sx.execute(db, it.sql),
                                 "ORDER BY" in it.sql)
-        except sw.SQLFailure:
+        except sx.SQLFailure:
             ok = False
         if not ok:
             wrong.append(it)
@@ -163,7 +164,7 @@ def test_checkpoint_and_spider_folder(tmp_path, concerts):
     from ..conftest import run_lab
 
     schema, db = concerts
-    sw.spider_folder(tmp_path / "spider", sw.make_items(schema, 6, random.Random(0)), {"concerts": db})
+    sx.spider_folder(tmp_path / "spider", sw.make_items(schema, 6, random.Random(0)), {"concerts": db})
     tok = word_tokenizer("SELECT FROM WHERE singer name . , = 1 ; NONE".split())
     torch.manual_seed(0)
     tiny_llama(vocab_size=len(tok), d_model=16, n_layers=1, n_heads=2).save_pretrained(tmp_path / "ckpt")

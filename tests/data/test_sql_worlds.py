@@ -8,6 +8,7 @@ import sqlite3
 
 import pytest
 
+from lab.data import sql_exec as sx
 from lab.data import sql_worlds as sw
 
 
@@ -25,7 +26,7 @@ def test_schema_has_an_fk_chain_and_repeated_names(concerts):
     con = sqlite3.connect(db)
     fks = con.execute("PRAGMA foreign_key_list('performance')").fetchall()
     assert {r[2] for r in fks} == {"singer", "concert"}
-    assert sw.read_schema(db).tables == schema.tables and set(sw.read_schema(db).fks) == set(schema.fks)
+    assert sx.read_schema(db).tables == schema.tables and set(sx.read_schema(db).fks) == set(schema.fks)
 
 
 def test_every_gold_query_runs_and_questions_align_with_their_tokens(concerts):
@@ -33,7 +34,7 @@ def test_every_gold_query_runs_and_questions_align_with_their_tokens(concerts):
     items = sw.make_items(schema, 200, random.Random(0))
     nonempty = 0
     for it in items:
-        nonempty += bool(sw.execute(db, it.sql))
+        nonempty += bool(sx.execute(db, it.sql))
         assert sw.tokenize(it.question)[:len(it.tokens)] == [t.word for t in it.tokens]
     assert nonempty > 120
     assert {it.hardness for it in items} == {"easy", "medium", "hard", "extra"}
@@ -57,27 +58,27 @@ def test_hardness_follows_spiders_rule(sql, level):
 
 
 def test_execution_match_is_a_multiset_unless_ordered():
-    assert sw.same_result([(1,), (2,), (2,)], [(2,), (1,), (2,)], ordered=False)
-    assert not sw.same_result([(1,), (2,)], [(2,), (1,)], ordered=True)
-    assert not sw.same_result([(1,), (2,)], [(1,), (2,), (2,)], ordered=False)
-    assert sw.same_result([(0.1 + 0.2,)], [(0.3,)], ordered=True)
+    assert sx.same_result([(1,), (2,), (2,)], [(2,), (1,), (2,)], ordered=False)
+    assert not sx.same_result([(1,), (2,)], [(2,), (1,)], ordered=True)
+    assert not sx.same_result([(1,), (2,)], [(1,), (2,), (2,)], ordered=False)
+    assert sx.same_result([(0.1 + 0.2,)], [(0.3,)], ordered=True)
 
 
 def test_bad_sql_and_runaway_queries_are_failures_not_crashes(concerts):
     _, db = concerts
-    with pytest.raises(sw.SQLFailure, match="no such column"):
-        sw.execute(db, "SELECT nope FROM singer")
-    with pytest.raises(sw.SQLFailure, match="timed out"):
-        sw.execute(db, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c",
+    with pytest.raises(sx.SQLFailure, match="no such column"):
+        sx.execute(db, "SELECT nope FROM singer")
+    with pytest.raises(sx.SQLFailure, match="timed out"):
+        sx.execute(db, "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c",
                    timeout=0.2)
-    with pytest.raises(sw.SQLFailure, match="does not exist"):
-        sw.execute(db.parent / "missing.sqlite", "SELECT 1")
+    with pytest.raises(sx.SQLFailure, match="does not exist"):
+        sx.execute(db.parent / "missing.sqlite", "SELECT 1")
 
 
 def test_spider_folder_round_trip(concerts, tmp_path):
     schema, db = concerts
     items = sw.make_items(schema, 5, random.Random(1))
-    folder = sw.spider_folder(tmp_path / "spider", items, {"concerts": db})
-    back, dbs = sw.load_spider(folder)
+    folder = sx.spider_folder(tmp_path / "spider", items, {"concerts": db})
+    back, dbs = sx.load_spider(folder)
     assert [(b.question, b.sql, b.hardness) for b in back] == [(i.question, i.sql, i.hardness) for i in items]
-    assert sw.execute(dbs["concerts"], back[0].sql) == sw.execute(db, items[0].sql)
+    assert sx.execute(dbs["concerts"], back[0].sql) == sx.execute(db, items[0].sql)
