@@ -150,10 +150,13 @@ def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeou
     os.close(fd)
     os.environ["LAB_RECORD_FILE"] = jsonl
     status, error, t0 = "passed", None, time.perf_counter()
+    # The kernel is stopped at once after the last cell: a graceful shutdown (nbclient's default) idles ~3 s per run
+    # before the kernel exits, ~100 runs in one CI run. Nothing is left to flush by then: records are appended and
+    # closed per call, stage results and artefacts are written atomically inside the cells that make them.
     try:
         pm.execute_notebook(str(path), str(out / f"{stem}.ipynb"), parameters=overrides, kernel_name="python3",
                             cwd=str(path.parent), execution_timeout=cell_timeout, start_timeout=120,
-                            progress_bar=False, log_output=False)
+                            progress_bar=False, log_output=False, shutdown_kernel="immediate")
     except pm.PapermillExecutionError as e:
         if e.ename in BAD_INPUT:  # the notebook refused its input (a wrong model family, missing data): no report
             os.environ.pop("LAB_RECORD_FILE", None)

@@ -46,6 +46,24 @@ def run_lab(*args: str, timeout: float = 600, env: dict[str, str] | None = None)
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def save_tiny_lm(folder: Path, tok, *, seed: int | None = 0, **arch) -> Path:
+    """A checkpoint folder as a researcher's would look: a tiny Llama (`lab.models.zoo.tiny_llama`, `arch` its
+    sizes) and its tokenizer (`tok`, or a word-level one over `tok` when it is a list of words), both
+    `save_pretrained` into `folder`; weights drawn after `torch.manual_seed(seed)` (None: the current random
+    state). Returns `folder`."""
+    import torch
+
+    from lab.models.tokenizer import word_tokenizer
+    from lab.models.zoo import tiny_llama
+
+    tok = word_tokenizer(tok) if isinstance(tok, list) else tok
+    if seed is not None:
+        torch.manual_seed(seed)
+    tiny_llama(vocab_size=len(tok), **arch).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return Path(folder)
+
+
 def fake_lm_eval(folder: Path) -> dict[str, str]:
     """A stand-in `lm_eval` package under `folder` (lm-eval's tasks need the network): its
     `evaluator.simple_evaluate` loads `pretrained=` with `AutoModelForCausalLM.from_pretrained`, as lm-eval's `hf`

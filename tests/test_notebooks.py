@@ -10,7 +10,7 @@ from lab.cli import declared_controls
 from lab.core import read_records
 from lab.core.results import problems
 
-from .conftest import NOTEBOOKS, run_lab
+from .conftest import NOTEBOOKS, run_lab, save_tiny_lm
 
 NOTEBOOKS_BY_STEM = {p.stem: p for p in NOTEBOOKS}
 BUDGET_S = 90  # DESIGN.md: one notebook at smoke scale on 2 CPU cores
@@ -82,7 +82,6 @@ def test_gather_aggregate_on_a_checkpoint_folder(tmp_path):
     import torch
 
     from lab.data.mcq import CategoryMCQ
-    from lab.models import tiny_llama
     from lab.models.tokenizer import word_tokenizer
 
     mcq, g = CategoryMCQ(), torch.Generator().manual_seed(0)
@@ -90,9 +89,7 @@ def test_gather_aggregate_on_a_checkpoint_folder(tmp_path):
     words = sorted({w for e in ex for w in (e["prompt"] + " " + " ".join(e.get("choices") or [])).split()}
                    | set(mcq.letters))
     tok = word_tokenizer(words)
-    torch.manual_seed(0)
-    tiny_llama(vocab_size=len(tok), d_model=32, n_layers=3, n_heads=2, max_len=64).save_pretrained(tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
+    save_tiny_lm(tmp_path / "ckpt", tok, d_model=32, n_layers=3, n_heads=2, max_len=64)
     proc = run_lab("run", "09_gather_aggregate", "-p", "model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rec = json.loads((tmp_path / "out" / "09_gather_aggregate.json").read_text())

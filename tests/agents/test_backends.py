@@ -13,15 +13,9 @@ WORDS = "user system assistant : is the answer yes no one two three { } \" , a b
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from lab.models.tokenizer import word_tokenizer
-    from lab.models.zoo import tiny_llama
+    from ..conftest import save_tiny_lm
 
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("agent")
-    tok = word_tokenizer(WORDS)
-    tiny_llama(vocab_size=len(tok), d_model=32, n_layers=2, n_heads=4, max_len=128).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
+    return str(save_tiny_lm(tmp_path_factory.mktemp("agent"), WORDS, d_model=32, n_layers=2, n_heads=4, max_len=128))
 
 
 def test_first_json_skips_prose_fences_and_broken_objects():

@@ -286,17 +286,13 @@ def test_widgets_card_and_trajectories():
 @pytest.mark.notebook
 def test_checkpoint_folder_drives_the_loop(tmp_path):
     """model=<folder>: a saved tiny Llama is the designer and judge; its unusable replies are recorded failures."""
-    import torch
 
     from lab.models.tokenizer import word_tokenizer
-    from lab.models.zoo import tiny_llama
 
-    from ..conftest import run_lab
+    from ..conftest import run_lab, save_tiny_lm
 
     tok = word_tokenizer(["p-value:", "{", "}", "0.5", "name", "h0", "h1", "code", "score"])
-    torch.manual_seed(0)
-    tiny_llama(vocab_size=len(tok), d_model=16, n_layers=1, n_heads=2, max_len=4096).save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
+    save_tiny_lm(tmp_path / "m", tok, d_model=16, n_layers=1, n_heads=2, max_len=4096)
     proc = run_lab("run", "02_popper", "-p", "model", str(tmp_path / "m"), "-p", "llm_hypotheses", "1",
                    "--out", str(tmp_path / "out"), "--no-page")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

@@ -159,16 +159,13 @@ def test_checkpoint_and_spider_folder(tmp_path, concerts):
     """model=<folder> drives the same loop with a saved tiny Llama (its answers are recorded failures) and
     data=<Spider folder> evaluates that folder's questions."""
     from lab.models.tokenizer import word_tokenizer
-    from lab.models.zoo import tiny_llama
 
-    from ..conftest import run_lab
+    from ..conftest import run_lab, save_tiny_lm
 
     schema, db = concerts
     sx.spider_folder(tmp_path / "spider", sw.make_items(schema, 6, random.Random(0)), {"concerts": db})
     tok = word_tokenizer("SELECT FROM WHERE singer name . , = 1 ; NONE".split())
-    torch.manual_seed(0)
-    tiny_llama(vocab_size=len(tok), d_model=16, n_layers=1, n_heads=2).save_pretrained(tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
+    save_tiny_lm(tmp_path / "ckpt", tok, d_model=16, n_layers=1, n_heads=2)
     proc = run_lab("run", "18_sgu_sql", "-p", "model", str(tmp_path / "ckpt"), "-p", "data", str(tmp_path / "spider"),
                    "--out", str(tmp_path / "out"), "--no-page")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

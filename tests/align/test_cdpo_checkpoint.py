@@ -154,10 +154,9 @@ def test_critical_table_hand_computed(tok):
 @pytest.mark.notebook
 @pytest.mark.timeout(300)
 def test_notebook_on_a_saved_policy_and_problems_is_measured(tmp_path, tok):
-    from ..conftest import run_lab
+    from ..conftest import run_lab, save_tiny_lm
 
-    tiny(tok).save_pretrained(tmp_path / "policy")
-    tok.save_pretrained(tmp_path / "policy")
+    save_tiny_lm(tmp_path / "policy", tok, d_model=32, n_layers=2, n_heads=4)
     rows = [{"question": f"{a} plus {b}", "answer": str((a + b) % 10)} for a in range(4) for b in range(4)]
     (tmp_path / "problems.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     proc = run_lab("run", "19_cdpo", "-p", "model", str(tmp_path / "policy"), "-p", "data",

@@ -140,9 +140,9 @@ def test_win_rate_ties_for_an_untrained_arm(tok, tmp_path):
 
 def save_checkpoint(tmp_path, ranked=False):
     """A tiny Llama + word tokenizer folder and a JSONL of 24 pairs (or of 24 prompts with 3 ranked responses)."""
-    tok = word_tokenizer(WORDS)
-    tiny(tok).save_pretrained(tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
+    from ..conftest import save_tiny_lm
+
+    save_tiny_lm(tmp_path / "ckpt", WORDS, d_model=32, n_layers=2, n_heads=4)
     rows = pairs(24)
     if ranked:  # unsorted on purpose: the loader ranks them
         rows = [{"prompt": r["prompt"], "responses": [r["rejected"], r["chosen"], "b b"], "rewards": [-1.0, 1.0, 0.2]}

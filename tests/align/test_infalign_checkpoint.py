@@ -55,12 +55,11 @@ def _save_models(tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from lab.models.tokenizer import word_tokenizer
-    from lab.models.zoo import tiny_llama
+
+    from ..conftest import save_tiny_lm
 
     tok = word_tokenizer(WORDS)
-    torch.manual_seed(0)
-    tiny_llama(vocab_size=len(tok), d_model=32, n_layers=2, n_heads=4).save_pretrained(tmp_path / "policy")
-    tok.save_pretrained(tmp_path / "policy")
+    save_tiny_lm(tmp_path / "policy", tok, d_model=32, n_layers=2, n_heads=4)
     for labels, name in ((1, "rm"), (2, "classifier")):
         cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                           num_attention_heads=4, num_labels=labels, pad_token_id=tok.pad_token_id)

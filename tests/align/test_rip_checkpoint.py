@@ -62,14 +62,11 @@ def test_pool_rows_reads_a_pool_or_samples_and_scores_one(tmp_path):
 @pytest.mark.timeout(300)
 def test_notebook_on_a_saved_policy_and_pool_is_measured(tmp_path):
     from lab.models.tokenizer import word_tokenizer
-    from lab.models.zoo import tiny_llama
 
-    from ..conftest import run_lab
+    from ..conftest import run_lab, save_tiny_lm
 
     tok = word_tokenizer(WORDS)
-    torch.manual_seed(0)
-    tiny_llama(vocab_size=len(tok), d_model=32, n_layers=2, n_heads=4).save_pretrained(tmp_path / "policy")
-    tok.save_pretrained(tmp_path / "policy")
+    save_tiny_lm(tmp_path / "policy", tok, d_model=32, n_layers=2, n_heads=4)
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(24):

@@ -33,3 +33,26 @@ def test_progress_quiet_switch():
     bar = progress(range(3), quiet=True)
     assert bar.disable and list(bar) == [0, 1, 2]
     assert not progress(range(3), quiet=False).disable
+
+
+@pytest.mark.parametrize("headless", [False, True])
+def test_autoreload_stays_on_interactively_and_is_off_under_the_runner(headless, monkeypatch, tmp_path):
+    from IPython import get_ipython
+    from IPython.testing.globalipapp import start_ipython
+
+    from lab.core import records
+
+    ip = start_ipython() or get_ipython()  # one shell per process: started by the first call
+    ip.run_line_magic("load_ext", "autoreload")
+    ip.run_line_magic("autoreload", "2")
+    monkeypatch.delenv(records.RECORD_FILE_ENV, raising=False)
+    if headless:
+        monkeypatch.setenv(records.RECORD_FILE_ENV, str(tmp_path / "records.jsonl"))
+    before = torch.get_num_threads()
+    try:
+        setup("smoke", "cpu", 0)
+    finally:
+        torch.set_num_threads(before)
+        monkeypatch.delenv(records.RECORD_FILE_ENV, raising=False)
+    assert ip.magics_manager.registry["AutoreloadMagics"]._reloader.enabled is not headless
+    ip.run_line_magic("autoreload", "0")

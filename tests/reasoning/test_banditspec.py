@@ -195,14 +195,12 @@ def test_checkpoint_target_and_drafter_folders_run_the_bandit(tmp_path):
     """model=<folder>, draft=<folder>, data=<.txt>: BanditSpec over the drafter and prompt lookup, measured."""
     from lab.models.tokenizer import word_tokenizer
 
-    from ..conftest import run_lab
+    from ..conftest import run_lab, save_tiny_lm
 
     words = [f"w{i}" for i in range(30)]
     tok = word_tokenizer(words)
-    torch.manual_seed(0)
-    tiny_llama(vocab_size=len(tok), d_model=32, n_layers=2, n_heads=4, max_len=256).save_pretrained(tmp_path / "t")
-    tiny_llama(vocab_size=len(tok), d_model=16, n_layers=1, n_heads=2, max_len=256).save_pretrained(tmp_path / "d")
-    tok.save_pretrained(tmp_path / "t")
+    save_tiny_lm(tmp_path / "t", tok, d_model=32, n_layers=2, n_heads=4, max_len=256)
+    save_tiny_lm(tmp_path / "d", tok, seed=None, d_model=16, n_layers=1, n_heads=2, max_len=256)
     g = np.random.default_rng(0)
     (tmp_path / "text.txt").write_text("\n".join(" ".join(g.choice(words[:8], 30)) for _ in range(20)))
     proc = run_lab("run", "16_banditspec", "-p", "model", str(tmp_path / "t"), "-p", "draft", str(tmp_path / "d"),

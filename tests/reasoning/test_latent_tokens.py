@@ -205,13 +205,11 @@ def test_checkpoint_folder_is_fine_tuned_on_mixed_traces_saved_and_reloads(tmp_p
     """model=<folder>, data=<GSM8K-style .jsonl>: latent tokens added, fine-tuned, written to out_dir, reloaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..conftest import run_lab
+    from ..conftest import run_lab, save_tiny_lm
 
     words = [f"w{i}" for i in range(20)] + ["####"]
     tok = word_tokenizer(words)
-    torch.manual_seed(0)
-    tiny_llama(vocab_size=len(tok), d_model=32, n_layers=1, n_heads=2).save_pretrained(tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
+    save_tiny_lm(tmp_path / "ckpt", tok, d_model=32, n_layers=1, n_heads=2)
     g = torch.Generator().manual_seed(0)
     w = lambda n: " ".join(f"w{int(i)}" for i in torch.randint(20, (n,), generator=g))
     rows = [{"question": w(6), "answer": f"{w(12)} #### {w(1)}"} for _ in range(40)]
