@@ -12,6 +12,8 @@ columns it needs and says, in one sentence, which are missing and which the data
   ranked best first (column 0 preferred, the order `lab.align.losses` expects).
 - `preferences`: ranked responses when the data has them, else pairs.
 - `problems`: `question` (or `problem`) and `answer`; rows come back with `question` and `answer`.
+- `image_questions`: `image`, `question`, `reference_answer` (or `answer`), grouped into scenarios by a `shift` column
+  or by split; also reads an image folder with a `metadata.jsonl` (`datasets`' imagefolder).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 
 from lab.data.text import _FORMATS, DataNotAvailable
 
-__all__ = ["DataNotAvailable", "load_dataset", "preference_pairs", "ranked_responses", "preferences", "problems"]
+__all__ = ["DataNotAvailable", "load_dataset", "preference_pairs", "ranked_responses", "preferences", "problems",
+           "image_questions"]
 
 
 def load_dataset(data: str, *, split: str = "train"):
@@ -122,3 +125,66 @@ def problems(data: str, *, split: str = "train", n: int | None = None, seed: int
     ds = _rows(data, [("question", "problem"), ("answer",)], "problems with answers", split=split, n=n, seed=seed)
     key = "question" if "question" in ds.column_names else "problem"
     return [{"question": row[key], "answer": row["answer"]} for row in ds]
+
+
+# ----------------------------------------------------------------------- image–question–answer sets by scenario
+
+_METADATA = ("metadata.jsonl", "metadata.csv", "metadata.parquet")  # what `datasets`' imagefolder reads
+
+
+def _image_sets(data: str) -> dict:
+    """`{split name: Dataset}` with an `image` column decoded by `datasets.Image`: an imagefolder (images beside a
+    metadata file with `file_name`), a .jsonl/.parquet/.csv file or folder whose `image` column holds paths
+    (relative to the file's folder) or embedded images, or every split of a cached `datasets` name."""
+    import datasets
+
+    path = Path(os.path.expanduser(data))
+    if path.is_dir() and any((path / m).exists() for m in _METADATA):
+        try:
+            return dict(datasets.load_dataset("imagefolder", data_dir=str(path)))
+        except Exception as e:  # one sentence, whatever datasets raises
+            raise DataNotAvailable(f"data={data!r} has a metadata file but is not a readable image folder "
+                                   f"({type(e).__name__}: {e}).") from e
+    if path.exists():
+        ds = load_dataset(data)
+        if "image" in ds.column_names and isinstance(ds.features["image"], datasets.Value):  # paths
+            base = path if path.is_dir() else path.parent
+            ds = ds.map(lambda p: {"image": str(base / p)}, input_columns="image")
+            ds = ds.cast_column("image", datasets.Image())
+        return {"train": ds}
+    name, _, config = data.partition(":")
+    try:
+        return dict(datasets.load_dataset(name, config or None))
+    except Exception as e:  # datasets raises many kinds (FileNotFoundError, ConnectionError, DatasetNotFoundError)
+        raise DataNotAvailable(f"data={data!r} is neither a readable local file/folder nor a dataset in the local "
+                               f"Hugging Face cache ({type(e).__name__}); pass a folder of images with a "
+                               "metadata.jsonl.") from e
+
+
+def image_questions(data: str, *, n: int | None = None, shift_column: str = "shift") -> dict[str, list[dict]]:
+    """Image–question–answer sets by scenario, `{scenario: [{image, question, reference}]}` (images as RGB PIL), the
+    first `n` rows of each kept in order.
+
+    Columns: `image`, `question`, and the reference answer as `reference_answer` or `answer`. The scenarios are the
+    values of `shift_column` in order of first appearance (a local folder or file: e.g. `coco` and `wild` rows of
+    one metadata.jsonl), or, for data without that column, its splits (the layout of the LLaVA-Bench shift sets,
+    `changdae/llavabench-shift-natural-v1`: one split per scenario)."""
+    sets = _image_sets(data) if data else {}
+    if not sets:
+        raise DataNotAvailable("data is empty; pass a folder of images with a metadata.jsonl (file_name, question, "
+                               "answer, shift) or a cached `datasets` name.")
+    cols = next(iter(sets.values())).column_names
+    need = [("image",), ("question",), ("reference_answer", "answer")]
+    missing = [" or ".join(map(repr, group)) for group in need if not any(c in cols for c in group)]
+    if missing:
+        raise DataNotAvailable(f"data={data!r} lacks the column(s) {', '.join(missing)} needed for image–question–"
+                               f"answer sets (it has {', '.join(cols)}).")
+    ref = "reference_answer" if "reference_answer" in cols else "answer"
+    if shift_column in cols:
+        sets = {str(s): ds.select([i for i, v in enumerate(ds[shift_column]) if v == s])
+                for ds in sets.values() for s in dict.fromkeys(ds[shift_column])}
+    out = {}
+    for name, ds in sets.items():
+        ds = ds.select(range(min(n, len(ds)))) if n else ds
+        out[name] = [{"image": r["image"].convert("RGB"), "question": r["question"], "reference": r[ref]} for r in ds]
+    return out
