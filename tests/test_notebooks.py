@@ -57,6 +57,18 @@ def test_tour_is_deterministic_and_cached(notebook_runs, tmp_path):
     assert attempts and all(cached for _, _, cached in attempts), "the second run loads every attempt from the cache"
 
 
+@pytest.mark.notebook
+def test_tour_on_a_checkpoint_folder_is_measured_not_checked(tmp_path):
+    """model=<folder>: the tour's recall and answer attention on a saved (random) model are recorded; the toy's
+    thresholds are not applied to it (status `measured`, no claims)."""
+    save_tiny_lm(tmp_path / "ckpt", [f"w{i}" for i in range(20)], d_model=32, n_layers=2, n_heads=2)
+    proc = run_lab("run", "00_tour", "-p", "model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--no-page")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "out" / "00_tour.json").read_text())
+    assert rec["status"] == "measured" and rec["claims"] == []
+    assert 0 <= rec["metrics"]["recall_accuracy"] <= 1 and "untrained_accuracy" not in rec["metrics"]
+
+
 @pytest.mark.parametrize("param", [("scale", "huge"), ("device", "cuda"), ("model", "/no/such/folder"),
                                    ("seed", "-3"), ("nonsense", "1"),
                                    ("control", "nonsense")])
