@@ -6,9 +6,9 @@ chenzhiling9954/Critical-Tokens-Matter).
 **Trajectories** (§3.1). K responses per problem (`lab.data.load.problems`: question + answer) sampled from the
 policy by `generate` (`lab.align.hf_prefs.sample`: pure ancestral sampling, T = 1; the paper tunes T per model so
 that a question has ≈ 10 wrong answers in 64), the prompt in the paper's GSM8K format "Question: …\nAnswer:" without
-few-shot examples. Each is graded by its final answer (`answer_of`: the number after "####", the content of the last
-\boxed{}, else the last number, as GSM8K answers are parsed; MATH's symbolic equivalence, the official `grader.py`,
-is not built) against the problem's answer read the same way.
+few-shot examples. Each is graded by its final answer (`lab.data.answers.answer_of`: the number after "####", the
+last \boxed{} content, else the last number, as GSM8K answers are parsed; MATH's symbolic equivalence, the official
+`grader.py`, is not built) against the problem's answer read the same way.
 
 **Contrastive estimation** (§3.1). `lab.align.cdpo.select` picks per problem, as the official
 `select_data_for_sft_and_dpo`, one trajectory of the most frequent correct answer (P_p's data) and one of each most
@@ -37,7 +37,6 @@ few-shot CoT prompts, stop strings for base models, RPO and TokenDPO arms. Measu
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -50,6 +49,7 @@ from lab.align import cdpo as C
 from lab.align import hf_prefs
 from lab.align.train import token_logprobs
 from lab.core.params import ParamError
+from lab.data.answers import answer_of, reference_answer
 
 Sample = tuple[list[int], list[int]]  # (prompt ids, response ids)
 TEMPLATE = "Question: {question}\nAnswer:"  # the paper's GSM8K prompt (MATH: "Problem: …\nSolution:")
@@ -86,47 +86,6 @@ class Config:
 
 
 # ------------------------------------------------------------------ answers and trajectories
-
-_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def _norm(x: str) -> str:
-    x = x.strip().rstrip(".").replace(",", "").replace(" ", "").replace("$", "")
-    try:
-        v = float(x)
-    except ValueError:
-        return x
-    return str(int(v)) if math.isfinite(v) and v == int(v) else repr(v)
-
-
-def _boxed(text: str) -> str:
-    i, depth = text.rfind("\\boxed{") + len("\\boxed{"), 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return text[i:]
-
-
-def answer_of(text: str) -> str | None:
-    """A solution's final answer: the first number after its last "####" (else the text there), the content of its
-    last \\boxed{…}, or its last number; None if it has none. Numbers are normalized ("1,000.0" → "1000")."""
-    text = str(text)
-    if "####" in text:
-        tail = text.rsplit("####", 1)[1]
-        nums = _NUM.findall(tail)
-        return _norm(nums[0]) if nums else (_norm(tail) or None)
-    if "\\boxed{" in text:
-        return _norm(_boxed(text)) or None
-    nums = _NUM.findall(text)
-    return _norm(nums[-1]) if nums else None
-
-
-def reference_answer(answer) -> str:
-    """The problem's answer: `answer_of` of a worked solution (with "####" or \\boxed), else the whole value."""
-    a = str(answer)
-    return answer_of(a) if ("####" in a or "\\boxed{" in a) else _norm(a)
-
 
 @dataclass
 class Trajectories:

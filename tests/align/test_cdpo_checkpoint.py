@@ -41,17 +41,6 @@ def two_adapters(tok):
     return model
 
 
-def test_answer_of_and_reference_answer_hand_cases():
-    assert CC.answer_of("3 + 4 = 7 apples, then 12.\n#### 1,000") == "1000"
-    assert CC.answer_of("so it is \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
-    assert CC.answer_of("x is 3.0 then 12.50") == "12.5"
-    assert CC.answer_of("x is 3.0") == "3" and CC.answer_of("no digits here") is None
-    assert CC.answer_of("#### seven") == "seven"
-    assert CC.reference_answer("Natalia sold 48 + 24 = 72.\n#### 72") == "72"
-    assert CC.reference_answer(" 3.50 ") == "3.5" and CC.reference_answer(7) == "7"
-    assert CC.reference_answer("\\frac{1}{2}") == "\\frac{1}{2}"  # not its last number
-
-
 def trajs(samples, answers, correct, prompts=None):
     return CC.Trajectories([{"question": f"q{i}", "answer": ""} for i in range(len(samples))],
                            prompts or [f"q{i}" for i in range(len(samples))], samples,
