@@ -8,16 +8,15 @@ from a FIFO D of M = 5000 episodes with linear recency weights p_i ∝ i (`sr_up
 weight snapshots, one pushed every R sampler updates, |B| = int(N/R + 1), gives the delayed estimator
 θ_{t−N} = B[0] (`update_buffer` / `set_weights`). Absolute learning progress over ALL goals,
 ALP(g) = |C_{θ_t}(g) − C_{θ_{t−N}}(g)|, entries < 0.01 set to 0, recomputed every R updates; goals are drawn
-ε-greedily ∝ ALP, ε_t = ε_end + (ε_start − ε_end)·exp(−t/ε_decay) (`MAGELLANGoalSampler`).
+ε-greedily ∝ ALP, ε_t = ε_end + (ε_start − ε_end)·exp(−t/ε_decay) (`MAGELLANGoalSampler`). This module holds the
+method (config, estimator, MAGELLAN's sampler); `magellan_study` the baselines, the training runs and the
+goal-space swap; `little_zoo` the goal space and the simulated learner.
 
-Baselines as in `goal_sampler.py`: uniform (`RandomGoalSampler`), Online-ALP — per-goal FIFO of the last 100
-outcomes, ALP = |mean(newer half) − mean(older half)| (`OnlineGoalSampler`) — and EK-Online-ALP — the same over
-expert buckets {grasp, plant, herbivore, carnivore}, the ε-branch uniform over 5 buckets incl. the impossible
-one, the LP branch ∝ ALP over the 4 feasible buckets, then a uniform goal inside (`EKOnlineGoalSampler`); plus
-an oracle that uses the true ALP of the simulated learner (`little_zoo.Student`).
+Goal-space swap (the paper's Q4): the goals are replaced by held-out-object goals and D is emptied; the weights,
+their snapshots B and the step counter carry over, and ALP is recomputed on the new goals at once (`swap`).
 
-This lab's toy (disclosed in the notebook): the LLM agent is replaced by `Student`; h(g) comes from a small
-token encoder trained jointly with the head (the paper trains the LLM's `sr_adapters` LoRA jointly too): word
+This lab's toy (disclosed in the notebook): the LLM agent is replaced by `little_zoo.Student`; h(g) comes from a
+small token encoder trained jointly with the head (the paper trains the LLM's `sr_adapters` LoRA jointly too): word
 embeddings plus lexicon attributes (`little_zoo.lexicon_matrix`), one attention read of the scene queried by the
 target object, one GELU layer — a 1-layer `transformers` Llama over the 11 goal tokens was too slow to re-score
 25k goals every R rounds on a CPU. Several Adam steps per round instead of one; R, N and ε_decay scaled to the
@@ -35,14 +34,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lab.agents.little_zoo import FAMILIES, IMPOSSIBLE, GoalSpace, Student, lexicon_matrix
+from lab.agents.little_zoo import GoalSpace, lexicon_matrix
 from lab.core import params
 
 CONTROLS = {
     "no_delay": "delay N = 0: |B| = int(0/R + 1) = 1, the delayed estimator is the current one, ALP ≡ 0 (uniform)",
     "one_hot_goals": "the estimator sees a one-hot goal id instead of the goal's tokens (no semantic sharing)",
 }
-SAMPLERS = ("random", "online_alp", "ek_online_alp", "magellan", "oracle")
 
 
 def check_control(control: str) -> str:
@@ -51,12 +49,14 @@ def check_control(control: str) -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """Every size: goal space, learner, run length, estimator, MAGELLAN's schedule."""
+    """Every size: goal space, learner, run length, estimator, MAGELLAN's schedule, the swap."""
 
     n_goals: int = 25_000  # the paper's "25k" set (same proportions)
-    rounds: int = 250  # collection rounds (sampler updates)
+    rounds: int = 400  # collection rounds (sampler updates)
     episodes: int = 96  # episodes per round (the paper: 32 envs x 64 steps, several episodes each)
     eta: float = 0.0133  # student learning rate η (per episode)
+    transfer: float = 0.5  # τ: share of a grow skill common to every name of the family (`little_zoo.Student`)
+    swap_rounds: int = 150  # rounds on held-out-object goals after the goal-space swap (Q4)
     d_embed: int = 16  # token embedding width
     d_model: int = 64  # h(g) width
     steps: int = 3  # estimator Adam steps per round (the paper: 1)
@@ -78,7 +78,7 @@ class Config:
         if scale not in params.SCALES:
             raise ValueError(f"scale={scale!r} is unknown; use one of {', '.join(params.SCALES)}.")
         control = check_control(control)
-        sizes = {} if scale == "smoke" else dict(rounds=1000, eta=0.0033, steps=6, eps_decay=160.0)
+        sizes = {} if scale == "smoke" else dict(rounds=1600, eta=0.0033, steps=6, eps_decay=160.0, swap_rounds=600)
         if control == "no_delay":
             sizes["N"] = 0
         return cls(**{**sizes, **overrides}, goal_input="one_hot" if control == "one_hot_goals" else "tokens")
@@ -108,15 +108,6 @@ def recency_weights(n: int) -> np.ndarray:
     return w / w.sum()
 
 
-def half_alp(outcomes) -> float:
-    """Online-ALP of one FIFO: |mean(newer half) − mean(older half)|, 0 with fewer than 2 outcomes."""
-    n = len(outcomes)
-    if n < 2:
-        return 0.0
-    o = np.asarray(outcomes, dtype=float)
-    return float(abs(o[n // 2:].mean() - o[: n // 2].mean()))
-
-
 # ------------------------------------------------------------------------ the competence estimator
 
 class Estimator(nn.Module):
@@ -127,12 +118,9 @@ class Estimator(nn.Module):
     def __init__(self, space: GoalSpace, cfg: Config, features: Tensor | None = None):
         super().__init__()
         self.kind = "features" if features is not None else cfg.goal_input
-        self.register_buffer("tokens", torch.as_tensor(space.tokens, dtype=torch.long), persistent=False)
         self.register_buffer("lexicon", torch.as_tensor(lexicon_matrix(space.words), dtype=torch.float32),
                              persistent=False)
-        pairs, obj = torch.unique(self.tokens[:, 1:].reshape(-1, 2), dim=0, return_inverse=True)
-        self.register_buffer("pairs", pairs, persistent=False)  # the distinct objects (tag id, name id)
-        self.register_buffer("obj", obj.view(len(space), 5), persistent=False)  # target + scene as object ids
+        self.set_space(space)
         if self.kind == "features":
             self.register_buffer("feats", features.float(), persistent=False)
             d = features.shape[1]
@@ -145,6 +133,21 @@ class Estimator(nn.Module):
             self.qkv = nn.Linear(e, 3 * e, bias=False)
             self.encoder = nn.Sequential(nn.Linear(cfg.d_embed + 3 * e, d), nn.GELU())
         self.head = nn.Sequential(nn.Linear(d, 128), nn.Tanh(), nn.Linear(128, 1))
+
+    def set_space(self, space: GoalSpace) -> None:
+        """Index the goals of `space` (same vocabulary): their tokens and their objects as (tag, name) pairs. The
+        goal-space swap calls it with the new goals; a one-hot estimator's new ids get fresh, untrained rows."""
+        if getattr(self, "kind", "") == "features" and hasattr(self, "feats"):
+            raise ValueError("checkpoint features are computed for one goal space; the swap needs the token encoder.")
+        self.register_buffer("tokens", torch.as_tensor(space.tokens, dtype=torch.long), persistent=False)
+        pairs, obj = torch.unique(self.tokens[:, 1:].reshape(-1, 2), dim=0, return_inverse=True)
+        self.register_buffer("pairs", pairs, persistent=False)  # the distinct objects (tag id, name id)
+        self.register_buffer("obj", obj.view(len(space), 5), persistent=False)  # target + scene as object ids
+        if hasattr(self, "ids"):
+            if self.ids.num_embeddings != len(space):
+                raise ValueError(f"a one-hot estimator of {self.ids.num_embeddings} goals cannot index {len(space)}.")
+            with torch.no_grad():
+                self.ids.weight.normal_()
 
     def embed(self, idx: Tensor) -> Tensor:
         """h(g) for goal indices idx (B,) -> (B, d)."""
@@ -191,7 +194,8 @@ def goal_features(model, tokenizer, space: GoalSpace, device: str = "cpu", batch
 # ------------------------------------------------------------------------ goal samplers
 
 class Sampler:
-    """Interface: `probs(t)` the goal distribution for round t; `update(t, goals, outcomes)` after it."""
+    """Interface: `probs(t)` the goal distribution for round t; `update(t, goals, outcomes)` after it; `swap(space)`
+    when the goal space is replaced. The uniform sampler (`RandomGoalSampler`)."""
 
     estimate: np.ndarray | None = None  # competence estimate per goal where the sampler has one (NaN: none)
 
@@ -204,45 +208,8 @@ class Sampler:
     def update(self, t: int, goals: np.ndarray, outcomes: np.ndarray) -> None:
         pass
 
-
-class OnlineALP(Sampler):
-    """Online-ALP: a FIFO of the last `fifo` outcomes per goal; ALP per goal; ε-greedy ∝ ALP over goals."""
-
-    def __init__(self, space, cfg):
-        super().__init__(space, cfg)
-        self.fifos: dict[int, deque] = {}
-        self.alp = np.zeros(self.G)
-        self.estimate = np.full(self.G, np.nan)
-
-    def probs(self, t):
-        return eps_greedy(self.alp, epsilon(t, self.cfg))
-
-    def update(self, t, goals, outcomes):
-        for g, r in zip(goals, outcomes):
-            q = self.fifos.setdefault(int(g), deque(maxlen=self.cfg.fifo))
-            q.append(r)
-            self.alp[g], self.estimate[g] = half_alp(q), np.mean(q)
-
-
-class EKOnlineALP(Sampler):
-    """EK-Online-ALP: expert buckets = the families; bucket FIFO + ALP; ε → uniform over the 5 buckets, else a
-    feasible bucket ∝ ALP; then a uniform goal inside the bucket."""
-
-    def __init__(self, space, cfg):
-        super().__init__(space, cfg)
-        self.fifos = [deque(maxlen=cfg.fifo) for _ in FAMILIES]
-        self.sizes = np.bincount(space.family, minlength=len(FAMILIES))
-
-    def probs(self, t):
-        alp = np.array([half_alp(q) for q in self.fifos[:IMPOSSIBLE]] + [0.0])
-        eps = epsilon(t, self.cfg)
-        bucket = np.full(len(FAMILIES), 1 / len(FAMILIES)) if alp.sum() <= 0 else \
-            eps / len(FAMILIES) + (1 - eps) * alp / alp.sum()
-        return bucket[self.space.family] / self.sizes[self.space.family]
-
-    def update(self, t, goals, outcomes):
-        for g, r in zip(goals, outcomes):
-            self.fifos[self.space.family[g]].append(r)
+    def swap(self, space: GoalSpace) -> None:
+        self.space, self.G = space, len(space)
 
 
 class Magellan(Sampler):
@@ -275,6 +242,13 @@ class Magellan(Sampler):
         self.opt.step()
         return loss.item()
 
+    def recompute(self) -> None:
+        """ALP over every goal against B[0] (its predictions cached when it was current), entries < 0.01 -> 0."""
+        weights, delayed = self.snapshots[0]  # θ_{t−N}; its predictions on the goal set were made when it was
+        self.delayed.load_state_dict(weights)  # current (= self.delayed.predict(), a test checks it)
+        self.alp = np.abs(self.estimate - delayed)
+        self.alp[self.alp < self.cfg.threshold] = 0.0
+
     def update(self, t, goals, outcomes):
         self.D_goal.extend(int(g) for g in goals)
         self.D_r.extend(float(r) for r in outcomes)
@@ -282,63 +256,22 @@ class Magellan(Sampler):
         if (t + 1) % self.cfg.R == 0:
             self.estimate = self.model.predict()
             self.snapshots.append(({k: v.detach().clone() for k, v in self.model.state_dict().items()}, self.estimate))
-            weights, delayed = self.snapshots[0]  # θ_{t−N}; its predictions on the fixed goal set were made when it
-            self.delayed.load_state_dict(weights)  # was current (= self.delayed.predict(), a test checks it)
-            self.alp = np.abs(self.estimate - delayed)
-            self.alp[self.alp < self.cfg.threshold] = 0.0
+            self.recompute()
 
-
-class Oracle(Sampler):
-    """The true-ALP oracle: |C_t(g) − C_{t−N}(g)| from the learner's exact competence, same schedule as MAGELLAN."""
-
-    def __init__(self, space, cfg, student: Student):
-        super().__init__(space, cfg)
-        self.student, self.history = student, [student.family_competence()]
-        self.alp = np.zeros(self.G)
-
-    def probs(self, t):
-        return eps_greedy(self.alp, epsilon(t, self.cfg))
-
-    def update(self, t, goals, outcomes):
-        self.history.append(self.student.family_competence())
-        if (t + 1) % self.cfg.R == 0:
-            fam_alp = np.abs(self.history[-1] - self.history[max(0, len(self.history) - 1 - self.cfg.N)])
-            self.alp = fam_alp[self.space.family]
-            self.alp[self.alp < self.cfg.threshold] = 0.0
-
-
-# ------------------------------------------------------------------------ a run
-
-def run(space: GoalSpace, name: str, cfg: Config, seed: int = 0, features: Tensor | None = None) -> dict:
-    """Train a fresh `Student` with goals from sampler `name`; curves per round and end-of-run estimates.
-
-    Returns `competence` (rounds+1, 5) true competence per family, `sampled` (rounds, 5) episodes per family,
-    `estimated` {round: (5,) mean estimate per family} (samplers with an estimate), `times_sampled` (G,),
-    `estimate` (G,) the final per-goal estimate (NaN where none), `true` (G,) the final true competence."""
-    rng, student = np.random.default_rng(seed + 1), Student(cfg.eta)
-    sampler = {"random": lambda: Sampler(space, cfg), "online_alp": lambda: OnlineALP(space, cfg),
-               "ek_online_alp": lambda: EKOnlineALP(space, cfg), "oracle": lambda: Oracle(space, cfg, student),
-               "magellan": lambda: Magellan(space, cfg, features, seed)}[name]()
-    comp, sampled, estimated = [student.family_competence()], [], {}
-    times = np.zeros(len(space), dtype=int)
-    for t in range(cfg.rounds):
-        goals = rng.choice(len(space), cfg.episodes, p=sampler.probs(t))
-        outcomes = student.attempt(space.family[goals], rng)
-        sampler.update(t, goals, outcomes)
-        np.add.at(times, goals, 1)
-        comp.append(student.family_competence())
-        sampled.append(np.bincount(space.family[goals], minlength=len(FAMILIES)))
-        if isinstance(sampler, Magellan) and (t + 1) % cfg.R == 0:
-            estimated[t + 1] = np.array([sampler.estimate[space.family == f].mean() for f in range(len(FAMILIES))])
-    if isinstance(sampler, Magellan):
-        sampler.estimate = sampler.model.predict()  # the estimate at the end of the run
-    est = sampler.estimate if sampler.estimate is not None else np.full(len(space), np.nan)
-    return dict(name=name, competence=np.array(comp), sampled=np.array(sampled), estimated=estimated,
-                times_sampled=times, estimate=np.asarray(est, dtype=float), true=student.competence(space.family),
-                sampler=sampler)
-
-
-def mae_never_sampled(res: dict) -> float:
-    """Mean |estimate − true competence| over the goals the run never sampled (NaN estimates count as missing)."""
-    never = res["times_sampled"] == 0
-    return float(np.nanmean(np.abs(res["estimate"][never] - res["true"][never])))
+    def swap(self, space):
+        """Q4: new goals; D emptied; every snapshot of B re-scores the new goals; ALP recomputed on them now."""
+        super().swap(space)
+        for m in (self.model, self.delayed):
+            m.set_space(space)
+        if self.model.kind == "one_hot":  # fresh rows for the new ids: forget their Adam moments
+            self.opt.state.pop(self.model.ids.weight, None)
+        self.D_goal.clear()
+        self.D_r.clear()
+        for i, (weights, _) in enumerate(self.snapshots):
+            self.delayed.load_state_dict(weights)
+            self.snapshots[i] = (weights, self.delayed.predict())
+        self.estimate = self.model.predict()
+        if self.snapshots:
+            self.recompute()
+        else:
+            self.alp = np.zeros(self.G)

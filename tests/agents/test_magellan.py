@@ -1,7 +1,9 @@
-"""MAGELLAN: Little-Zoo's rules, the simulated learner, the samplers' arithmetic, the estimator, the checkpoint path."""
+"""MAGELLAN: Little-Zoo's rules, the simulated learner, the samplers' arithmetic, the estimator, the goal-space swap,
+the checkpoint path."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -10,6 +12,7 @@ import torch
 
 from lab.agents import little_zoo as lz
 from lab.agents import magellan as mg
+from lab.agents import magellan_study as ms
 
 W, F, P, H, C = ("water", "water"), ("furniture", "chair"), ("plant", "carrot"), ("herbivore", "cow"), \
     ("carnivore", "lion")
@@ -42,18 +45,46 @@ def test_goal_space_has_the_paper_proportions_and_distinct_consistent_goals():
         words = [sp.words[t] for t in tok]
         assert words[0] == g[0] and tuple(words[1:3]) == g[1] and len(words) == 11
         assert sp.text(0).startswith("goal: ")
-    test = lz.make_goal_space(500, seed=0, split="test")  # held-out objects only
-    train_names = {n for _, n in lz.objects("train")} - {"water"}
-    assert not any(o[1] in train_names for g in test.goals for o in g[2])
+    assert [sp.words[t] for t in sp.target[:50]] == [g[1][1] for g in sp.goals[:50]]
+
+
+def test_test_split_puts_a_held_out_target_in_a_scene_of_training_objects():
+    test = lz.make_goal_space(2_000, seed=0, split="test")
+    held_out, train = set(lz.objects("test")), set(lz.objects("train"))
+    assert np.bincount(test.family, minlength=5).tolist() == list(lz.proportions(2_000))
+    for (instr, target, scene), f in zip(test.goals, test.family):
+        assert target in held_out and target in scene and lz.family(instr, target, scene) == f
+        assert all(o in train for o in scene if o != target)
+
+
+def _goal(sp, fam, avoid=()):
+    return next(int(i) for i in np.flatnonzero(sp.family == fam) if sp.target[i] not in avoid)
 
 
 def test_student_competence_and_update_by_hand():
-    st = lz.Student(eta=0.5, init=0.5)
-    assert np.allclose(st.family_competence(), [0.5, 0.25, 0.125, 0.0625, 0.0])
-    st.attempt(np.array([2, 4]), np.random.default_rng(0))  # practise herbivore: s_h += η·s_g·s_p·(1 − s_h)
-    assert np.allclose(st.s, [0.5, 0.5, 0.5 + 0.5 * 0.25 * 0.5, 0.5])
-    r = lz.Student(init=0.0).attempt(np.array([0, 1, 4]), np.random.default_rng(0))
+    sp = lz.make_goal_space(600, seed=0)
+    st = lz.Student(eta=0.5, init=0.5, transfer=0.25)
+    c = st.competence(sp)
+    assert np.allclose([c[sp.family == f].mean() for f in range(5)], [0.5, 0.25, 0.125, 0.0625, 0.0])
+    h = _goal(sp, 2)
+    h2 = _goal(sp, 2, avoid=(sp.target[h],))  # another herbivore name
+    st.attempt(sp, np.array([h, _goal(sp, 4)]), np.random.default_rng(0))  # practise herbivore h
+    step = 0.5 * 0.25 * 0.5  # η · s_g · s_p · (1 − ·)
+    assert np.allclose(st.s, [0.5, 0.5, 0.5 + step, 0.5]) and st.v[sp.target[h]] == pytest.approx(0.5 + step)
+    assert (np.delete(st.v, sp.target[h]) == 0.5).all()
+    c = st.competence(sp)
+    assert c[h] == pytest.approx(0.25 * (0.5 + step))  # τ s_h + (1 − τ) v_h, both moved
+    assert c[h2] == pytest.approx(0.25 * (0.25 * (0.5 + step) + 0.75 * 0.5))  # only the shared part moved
+    assert st.family_competence(sp)[4] == 0.0
+    r = lz.Student(init=0.0).attempt(sp, np.array([_goal(sp, 0), _goal(sp, 1), _goal(sp, 4)]), np.random.default_rng(0))
     assert r.tolist() == [0, 0, 0]
+
+
+def test_student_with_full_transfer_is_one_skill_per_family():
+    sp = lz.make_goal_space(600, seed=0)
+    st = lz.Student(eta=0.3, transfer=1.0)
+    st.attempt(sp, np.random.default_rng(1).integers(0, 600, 300), np.random.default_rng(2))
+    assert np.allclose(st.competence(sp), np.append(np.cumprod(st.s), 0.0)[sp.family])
 
 
 def test_epsilon_schedule_and_eps_greedy():
@@ -66,32 +97,39 @@ def test_epsilon_schedule_and_eps_greedy():
 
 
 def test_half_alp_and_recency_weights_by_hand():
-    assert mg.half_alp([1]) == 0.0
-    assert mg.half_alp([0, 0, 1, 1]) == pytest.approx(1.0)
-    assert mg.half_alp([1, 0, 0, 1, 1]) == pytest.approx(abs(2 / 3 - 1 / 2))  # older = first n//2
-    assert mg.half_alp([1, 1, 0, 0]) == pytest.approx(1.0)  # absolute: forgetting counts
+    assert ms.half_alp([1]) == 0.0
+    assert ms.half_alp([0, 0, 1, 1]) == pytest.approx(1.0)
+    assert ms.half_alp([1, 0, 0, 1, 1]) == pytest.approx(abs(2 / 3 - 1 / 2))  # older = first n//2
+    assert ms.half_alp([1, 1, 0, 0]) == pytest.approx(1.0)  # absolute: forgetting counts
     assert np.allclose(mg.recency_weights(4), np.array([1, 2, 3, 4]) / 10)
 
 
 @pytest.fixture(scope="module")
 def small():
-    cfg = mg.Config.for_scale("smoke", n_goals=600, rounds=40, R=4, N=8, fifo=4)
+    cfg = mg.Config.for_scale("smoke", n_goals=600, rounds=40, R=4, N=8, fifo=4, swap_rounds=12)
     return lz.make_goal_space(cfg.n_goals, 0), cfg
 
 
-def test_online_alp_is_a_per_goal_fifo(small):
+@pytest.fixture(scope="module")
+def held_out(small):
+    return lz.make_goal_space(small[1].n_goals, 0, split="test")
+
+
+def test_online_alp_is_a_per_goal_fifo_and_the_swap_empties_it(small, held_out):
     sp, cfg = small
-    s = mg.OnlineALP(sp, cfg)
+    s = ms.OnlineALP(sp, cfg)
     seq = [1, 0, 0, 1, 1, 1]
     s.update(0, np.array([5] * len(seq)), np.array(seq, dtype=float))
     s.update(0, np.array([7]), np.array([1.0]))
-    assert s.alp[5] == pytest.approx(mg.half_alp(seq[-4:])) and s.alp[7] == 0.0 and s.estimate[5] == 0.75
+    assert s.alp[5] == pytest.approx(ms.half_alp(seq[-4:])) and s.alp[7] == 0.0 and s.estimate[5] == 0.75
     assert np.isnan(s.estimate[8])
+    s.swap(held_out)
+    assert s.fifos == {} and (s.alp == 0).all() and np.isnan(s.estimate).all() and s.space is held_out
 
 
 def test_ek_probs_mix_buckets_then_uniform_inside(small):
     sp, cfg = small
-    s = mg.EKOnlineALP(sp, cfg)
+    s = ms.EKOnlineALP(sp, cfg)
     fam = sp.family
     g_plant = np.flatnonzero(fam == 1)[0]
     s.update(0, np.array([g_plant] * 4), np.array([0, 0, 1, 1.0]))  # plant bucket ALP = 1, the others 0
@@ -121,10 +159,20 @@ def test_estimator_object_table_equals_a_naive_per_goal_encoder(small):
     assert est.predict().shape == (len(sp),) and len(list(est.head)) == 3  # Linear(d,128)-tanh-Linear(128,1)
 
 
+def test_set_space_equals_an_estimator_built_on_the_new_goals(small, held_out):
+    sp, cfg = small
+    torch.manual_seed(0)
+    est = mg.Estimator(sp, cfg)
+    fresh = mg.Estimator(held_out, cfg)
+    fresh.load_state_dict(est.state_dict())
+    est.set_space(held_out)
+    assert np.allclose(est.predict(), fresh.predict(), atol=1e-6)
+
+
 def test_magellan_delay_buffer_and_alp(small):
     sp, cfg = small
     assert cfg.n_snapshots == int(8 / 4 + 1) == 3
-    res = mg.run(sp, "magellan", cfg, seed=0)
+    res = ms.run(sp, "magellan", cfg, seed=0)
     s = res["sampler"]
     assert len(s.snapshots) == 3
     weights, cached = s.snapshots[0]
@@ -136,21 +184,67 @@ def test_magellan_delay_buffer_and_alp(small):
     assert res["competence"].shape == (41, 5) and res["sampled"].sum() == 40 * cfg.episodes
 
 
+def test_magellan_swap_keeps_weights_empties_D_and_rescores_every_snapshot(small, held_out):
+    sp, cfg = small
+    s = copy.deepcopy(ms.run(sp, "magellan", cfg, seed=0)["sampler"])
+    before = {k: v.clone() for k, v in s.model.state_dict().items()}
+    s.swap(held_out)
+    assert len(s.D_goal) == len(s.D_r) == 0 and s.G == len(held_out)
+    assert all(torch.equal(before[k], v) for k, v in s.model.state_dict().items())
+    ref = mg.Estimator(held_out, cfg)
+    for weights, preds in s.snapshots:  # each snapshot's cached predictions = its weights on the new goals
+        ref.load_state_dict(weights)
+        assert np.allclose(preds, ref.predict(), atol=1e-6)
+    ref.load_state_dict(before)
+    assert np.allclose(s.estimate, ref.predict(), atol=1e-6)
+    alp = np.abs(s.estimate - s.snapshots[0][1])
+    assert np.array_equal(s.alp, np.where(alp < cfg.threshold, 0, alp))
+
+
+def test_one_hot_swap_gives_new_goals_fresh_rows(small, held_out):
+    sp, cfg = small
+    cfg1 = mg.Config.for_scale("smoke", "one_hot_goals", n_goals=600, rounds=8, R=4, N=8)
+    s = ms.run(sp, "magellan", cfg1, seed=0)["sampler"]
+    old = s.model.ids.weight.detach().clone()
+    assert s.model.ids.weight in s.opt.state
+    s.swap(held_out)
+    assert not torch.allclose(old, s.model.ids.weight) and s.model.ids.weight not in s.opt.state
+
+
+def test_study_swaps_a_copy_and_measures_the_new_goals(small, held_out):
+    sp, cfg = small
+    out = ms.study.__wrapped__(sp, "online_alp", cfg, 0, None, held_out)
+    main, sw = out["main"], out["swap"]
+    assert main["competence"].shape == (41, 5) and sw["competence"].shape == (cfg.swap_rounds + 1, 5)
+    assert main["sampler"] is not sw["sampler"] and main["sampler"].space is sp
+    est, true = sw["at_swap"]
+    assert np.isnan(est).all() and true.shape == (len(held_out),)  # Online-ALP: no estimate on new goals
+    assert np.allclose(ms.run(sp, "online_alp", cfg, seed=0)["competence"], main["competence"])
+    assert np.allclose(sw["competence"][0], [true[held_out.family == f].mean() for f in range(5)])
+    assert sw["competence"][0][1] < main["competence"][-1][1]  # τ < 1: unpractised plant names start lower
+    m = ms.study.__wrapped__(sp, "magellan", cfg, 0, None, held_out)["swap"]
+    assert ms.mae_at_swap(m) == pytest.approx(np.abs(m["at_swap"][0] - m["at_swap"][1]).mean())
+
+
 def test_no_delay_gives_zero_alp(small):
     sp, cfg = small
     cfg0 = mg.Config.for_scale("smoke", "no_delay", n_goals=600, rounds=12, R=4)
     assert cfg0.N == 0 and cfg0.n_snapshots == 1
-    s = mg.run(sp, "magellan", cfg0, seed=0)["sampler"]
+    s = ms.run(sp, "magellan", cfg0, seed=0)["sampler"]
     assert (s.alp == 0).all()
 
 
-def test_oracle_alp_is_the_true_competence_change(small):
+def test_oracle_alp_is_the_true_competence_change_per_goal(small):
     sp, cfg = small
-    res = mg.run(sp, "oracle", cfg, seed=0)
-    comp, s = res["competence"], res["sampler"]
+    r = ms.Run(sp, "oracle", cfg, seed=0)
+    per_goal = [r.student.competence(sp)]
+    for _ in range(cfg.rounds):
+        r.step()
+        per_goal.append(r.student.competence(sp))
     t = cfg.rounds  # last recompute at round 40 (R divides it)
-    fam_alp = np.abs(comp[t] - comp[t - cfg.N])
-    assert np.allclose(s.alp, np.where(fam_alp < cfg.threshold, 0, fam_alp)[sp.family])
+    alp = np.abs(per_goal[t] - per_goal[t - cfg.N])
+    assert np.allclose(r.sampler.alp, np.where(alp < cfg.threshold, 0, alp))
+    assert len(np.unique(r.sampler.alp[sp.family == 1])) > 1  # τ < 1: plant goals differ by name
 
 
 def test_goal_features_take_the_last_real_token():
@@ -171,7 +265,7 @@ def test_widgets_build(small):
     from lab.widgets.magellan import competence_explorer, competence_figure, embedding_figure
 
     sp, cfg = small
-    res = mg.run(sp, "magellan", cfg, seed=0)
+    res = ms.run(sp, "magellan", cfg, seed=0)
     fig = competence_figure({(600, 8): res, (600, 0): res})
     assert len(fig.data) == 16 and len(fig.layout.updatemenus[0].buttons) == 2
     box = competence_explorer({(600, 8): res, (600, 0): res})
@@ -201,3 +295,20 @@ def test_checkpoint_folder_gives_goal_embeddings(tmp_path):
     ck = rec["metrics"]["checkpoint"]
     assert ck["hidden_size"] == 24 and ck["n_goals"] == 1000 and set(ck["final_competence"]) >= {"magellan", "random"}
     assert 0 <= ck["mae_never_sampled"] <= 1
+
+
+def test_rounds_to_is_the_first_crossing_or_one_past_the_end():
+    assert ms.rounds_to(np.array([0.1, 0.5, 0.8, 0.7, 0.9]), 0.8) == 2
+    assert ms.rounds_to(np.array([0.1, 0.5, 0.79]), 0.8) == 3
+    assert ms.rounds_to(np.array([0.9]), 0.8) == 0
+
+
+def test_attempts_succeed_at_the_competence_rate():
+    sp = lz.make_goal_space(600, seed=0)
+    st = lz.Student(eta=0.0, transfer=0.25)  # η = 0: no learning, the rate stays put
+    st.s[:] = [0.9, 0.8, 0.7, 0.6]
+    h = _goal(sp, 2)
+    st.v[sp.target[h]] = 0.2
+    r = st.attempt(sp, np.full(20_000, h), np.random.default_rng(0))
+    p = 0.9 * 0.8 * (0.25 * 0.7 + 0.75 * 0.2)
+    assert st.competence(sp)[h] == pytest.approx(p) and abs(r.mean() - p) < 4 * np.sqrt(p * (1 - p) / 20_000)
