@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml environment.yml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH)
 	$(PIP) $(TORCH) -e ".[dev]"
+	DISABLE_CUDA=1 $(PIP) $(TORCH) hqq==0.2.8.post1 termcolor einops  # HQQ's own quantizer, the reference of tests/compress/test_quant.py (DISABLE_CUDA: its sdist skips its CUDA build)
 	-@$(VENV)/bin/nbstripout --install 2>/dev/null  # git filter: notebooks are committed without outputs
 	@touch $@
 
@@ -40,6 +41,7 @@ test-fast: setup
 test-gpu: setup
 	-$(PIP) $(TORCH) -e ".[gpu]"  # optional CUDA kernels (fast-hadamard-transform); their tests skip if this fails
 	TRITON_INTERPRET=0 $(PY) -m pytest -m gpu $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	TRITON_INTERPRET=0 $(PY) scripts/gpu_floe.py  # every offload policy on a Mixtral-shaped BF16 model (< 8 min)
 	$(PY) -m lab run all -p device cuda --out reports/gpu
 
 ## JupyterLab on the notebooks folder (with --allow-root when run as root, e.g. in a container)

@@ -8,21 +8,24 @@ so only row j of W_gate and row j of W_downᵀ are fetched and multiplied. For o
   masked-off rows are never loaded, the H loop runs in BLOCK_H chunks with fp32 accumulation.
 - `masked_down`: y = Σ_{j kept} h_j · W_downᵀ[j]; a grid over (F blocks, H blocks) whose partial sums meet in a
   zero-initialised fp32 output through `tl.atomic_add` (as FloE and CATS do).
-- `int2_gemv`: a_up = W_up x with W_up unpacked from 2-bit codes and dequantized in registers.
+- `int2_gemv`: a_up = W_up x with W_up unpacked from 2-bit codes (the packing of `lab.compress.quant`) and
+  dequantized in registers from FP16 (or FP32) scale/zero; `rows=idx` computes only the kept rows.
+- `sparse_expert`: the offload engine's decode path (`lab.moe.offload_policies`) on CUDA: the three kernels on the
+  compact transferred rows (n, 2, H), read in place through their row stride, output in x's dtype.
 - `gather_rows`: kept gate row j and down row j side by side, FloE's compact transfer layout.
 
 Entry points take torch tensors, check shapes (ValueError), allocate the output and launch a kernel with a fixed
 config; this path also runs on CPU tensors under the Triton interpreter (`TRITON_INTERPRET=1`, read when
 `@triton.jit` decorates, so set it before importing). Loop bounds (H, K) are `tl.constexpr` because the interpreter
 cannot loop to a runtime int. `autotune=True` selects `@triton.autotune` wrappers of the same kernels; they are built
-lazily on first use, CUDA only, because autotuning fails under the interpreter. `bench` times dense vs sparse on a GPU.
+lazily on first use, CUDA only, because autotuning fails under the interpreter. `kernels.floe_bench.bench` times
+them on a GPU.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -107,21 +110,25 @@ def _masked_down_kernel(h_ptr, wd_ptr, m_ptr, y_ptr, F, H, stride_wd, BLOCK_F: t
 
 
 @triton.jit
-def _int2_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, stride_q, stride_s, K: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int2_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, idx_ptr, N, stride_q, stride_s, K: tl.constexpr,
+                      GROUP: tl.constexpr, HAS_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) outputs n
     in_n = rows < N
+    if HAS_IDX:  # output n is weight row idx[n] (the kept neurons only)
+        w_rows = tl.load(idx_ptr + rows, mask=in_n, other=0).to(tl.int64)
+    else:
+        w_rows = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,) inputs k
         in_k = cols < K
         m2 = in_n[:, None] & in_k[None, :]
         xv = tl.load(x_ptr + cols, mask=in_k, other=0.0).to(tl.float32)
-        byte = tl.load(q_ptr + rows[:, None] * stride_q + (cols // 4)[None, :], mask=m2, other=0).to(tl.int32)
+        byte = tl.load(q_ptr + w_rows[:, None] * stride_q + (cols // 4)[None, :], mask=m2, other=0).to(tl.int32)
         q = ((byte >> ((cols % 4) * 2)[None, :]) & 3).to(tl.float32)  # (BLOCK_N, BLOCK_K) codes
-        g = rows[:, None] * stride_s + (cols // GROUP)[None, :]
-        s = tl.load(s_ptr + g, mask=m2, other=0.0)
-        z = tl.load(z_ptr + g, mask=m2, other=0.0)
+        g = w_rows[:, None] * stride_s + (cols // GROUP)[None, :]
+        s = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)  # fp16 or fp32 scale/zero, read as they are
+        z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
         acc += tl.sum((q - z) * s * xv[None, :], axis=1)
     tl.store(y_ptr + rows, acc, mask=in_n)
 
@@ -165,6 +172,12 @@ def _launch(name: str, kernel, grid, autotune: bool, *args, **kw) -> None:
         kernel[grid](*args, **kw, **_FIXED[name])
 
 
+def _rows(w: Tensor) -> Tensor:
+    """w itself when its rows are unit-stride (any row stride: a strided view such as rows[:, 0] of FloE's (n, 2, H)
+    buffer is read in place), else a contiguous copy."""
+    return w if w.stride(-1) == 1 else w.contiguous()
+
+
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
@@ -180,7 +193,7 @@ def masked_gate_up(x: Tensor, w_gate: Tensor, a_up: Tensor, mask: Tensor, *, aut
            f"masked_gate_up needs x (H,), w_gate (F, H), a_up (F,) and a bool mask (F,); got {tuple(x.shape)}, "
            f"{tuple(w_gate.shape)}, {tuple(a_up.shape)}, {tuple(mask.shape)} {mask.dtype}.")
     n_ff, n_h = w_gate.shape
-    x, w_gate, a_up, m = x.contiguous(), w_gate.contiguous(), a_up.contiguous(), mask.contiguous().view(torch.uint8)
+    x, w_gate, a_up, m = x.contiguous(), _rows(w_gate), a_up.contiguous(), mask.contiguous().view(torch.uint8)
     h = torch.empty(n_ff, dtype=torch.float32, device=x.device)
     grid = lambda meta: (triton.cdiv(n_ff, meta["BLOCK_F"]),)
     _launch("gate_up", _masked_gate_up_kernel, grid, autotune, x, w_gate, a_up, m, h, n_ff, w_gate.stride(0), n_h)
@@ -194,7 +207,7 @@ def masked_down(h: Tensor, w_down_t: Tensor, mask: Tensor, *, autotune: bool = F
            f"masked_down needs h (F,), w_down_t (F, H) and a bool mask (F,); got {tuple(h.shape)}, "
            f"{tuple(w_down_t.shape)}, {tuple(mask.shape)} {mask.dtype}.")
     n_ff, n_h = w_down_t.shape
-    h, w_down_t, m = h.contiguous(), w_down_t.contiguous(), mask.contiguous().view(torch.uint8)
+    h, w_down_t, m = h.contiguous(), _rows(w_down_t), mask.contiguous().view(torch.uint8)
     y = torch.zeros(n_h, dtype=torch.float32, device=h.device)  # atomic_add target
     grid = lambda meta: (triton.cdiv(n_ff, meta["BLOCK_F"]), triton.cdiv(n_h, meta["BLOCK_H"]))
     _launch("down", _masked_down_kernel, grid, autotune, h, w_down_t, m, y, n_ff, n_h, w_down_t.stride(0))
@@ -202,22 +215,52 @@ def masked_down(h: Tensor, w_down_t: Tensor, mask: Tensor, *, autotune: bool = F
 
 
 def int2_gemv(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size: int, k: int, *,
-              autotune: bool = False) -> Tensor:
-    """a_up = W_up x with W_up INT2 (HQQ layout of `pack_int2`, float32 scale/zero (N, ceil(K/gs))) -> (N,) fp32."""
+              rows: Tensor | None = None, autotune: bool = False) -> Tensor:
+    """a_up = W_up x with W_up INT2 (the packing of `pack_int2` / `lab.compress.quant.pack`, scale/zero (N, ceil(K/gs))
+    in fp16 or fp32, read in place) -> (N,) fp32; with `rows` (n,) integer, only those rows of W_up -> (n,)."""
     n = packed.shape[0] if packed.dim() == 2 else -1
     g = math.ceil(k / group_size) if group_size >= 1 else -1
     _check(k >= 1 and x.shape == (k,) and packed.dtype == torch.uint8 and packed.shape == (n, math.ceil(k / 4))
-           and scale.shape == zero.shape == (n, g),
-           f"int2_gemv needs x ({k},), uint8 packed (N, {math.ceil(k / 4)}) and scale/zero (N, ceil(K/group_size)) "
-           f"with group_size ≥ 1; got {tuple(x.shape)}, {tuple(packed.shape)} {packed.dtype}, {tuple(scale.shape)}, "
-           f"{tuple(zero.shape)}, group_size={group_size}.")
-    x, packed = x.contiguous(), packed.contiguous()
-    scale, zero = scale.float().contiguous(), zero.float().contiguous()
-    y = torch.empty(n, dtype=torch.float32, device=x.device)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)
-    _launch("int2", _int2_gemv_kernel, grid, autotune, x, packed, scale, zero, y, n, packed.stride(0),
-            scale.stride(0), k, group_size)
+           and scale.shape == zero.shape == (n, g) and scale.dtype == zero.dtype and scale.is_floating_point()
+           and (rows is None or (rows.dim() == 1 and not rows.is_floating_point())),
+           f"int2_gemv needs x ({k},), uint8 packed (N, {math.ceil(k / 4)}), float scale/zero (N, ceil(K/group_size)) "
+           f"of one dtype with group_size ≥ 1, and integer rows (n,) if any; got {tuple(x.shape)}, "
+           f"{tuple(packed.shape)} {packed.dtype}, {tuple(scale.shape)} {scale.dtype}, {tuple(zero.shape)}, "
+           f"group_size={group_size}.")
+    x, packed, scale, zero = x.contiguous(), _rows(packed), _rows(scale), _rows(zero)
+    if scale.stride(0) != zero.stride(0):
+        scale, zero = scale.contiguous(), zero.contiguous()
+    n_out = n if rows is None else rows.numel()
+    idx = rows.contiguous() if rows is not None else packed  # a dummy pointer when every row is computed
+    y = torch.empty(n_out, dtype=torch.float32, device=x.device)
+    if n_out:
+        grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)
+        _launch("int2", _int2_gemv_kernel, grid, autotune, x, packed, scale, zero, y, idx, n_out, packed.stride(0),
+                scale.stride(0), k, group_size, rows is not None)
     return y
+
+
+def sparse_expert(x: Tensor, rows: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, idx: Tensor,
+                  group_size: int) -> Tensor:
+    """FloE's expert on its transferred neurons (Alg. 1 on the compact rows): a_up = W_up[idx] x from the resident
+    INT2 W_up (`int2_gemv` on rows idx), h = SiLU(W_gate[idx] x) ⊙ a_up, y = Σ_j h_j W_downᵀ[idx_j], with
+    rows (n, 2, H) = [gate row, down column] read in place (strided). x (H,) -> (H,) in x's dtype."""
+    _check(rows.dim() == 3 and rows.shape[1] == 2 and rows.shape[2] == x.shape[-1] and idx.shape == rows.shape[:1],
+           f"sparse_expert needs rows (n, 2, H) and idx (n,) for x (H,); got {tuple(rows.shape)}, {tuple(idx.shape)}, "
+           f"{tuple(x.shape)}.")
+    every = torch.ones(rows.shape[0], dtype=torch.bool, device=x.device)
+    a_up = int2_gemv(x, packed, scale, zero, group_size, x.shape[-1], rows=idx)
+    h = masked_gate_up(x, rows[:, 0], a_up, every)
+    return masked_down(h, rows[:, 1], every).to(x.dtype)
+
+
+def sparse_expert_ref(x: Tensor, rows: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, idx: Tensor,
+                      group_size: int) -> Tensor:
+    """Torch reference of `sparse_expert` (FP32)."""
+    k = x.shape[-1]
+    a_up = int2_gemv_ref(x, packed[idx], scale[idx], zero[idx], group_size, k)
+    h = F.silu(rows[:, 0].float() @ x.float()) * a_up
+    return (h @ rows[:, 1].float()).to(x.dtype)
 
 
 def gather_rows(w_gate: Tensor, w_down_t: Tensor, idx: Tensor) -> Tensor:
@@ -234,53 +277,4 @@ def gather_rows(w_gate: Tensor, w_down_t: Tensor, idx: Tensor) -> Tensor:
     if idx.numel():
         grid = (idx.numel(), triton.cdiv(n_h, 64))
         _gather_rows_kernel[grid](w_gate, w_down_t, idx, out, n_h, w_gate.stride(0), w_down_t.stride(0), BLOCK_H=64)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------- GPU benchmark
-
-
-def _ms(fn, warmup: int = 10, reps: int = 50) -> float:
-    """Median milliseconds of `fn()` over `reps` CUDA-event-timed runs after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def bench(n_hidden: int = 4096, n_ff: int = 14336, keep: tuple[float, ...] = (0.5, 0.3, 0.1), device: str = "cuda",
-          dtype: torch.dtype = torch.float16, group_size: int = 64, autotune: bool = True) -> dict:
-    """Dense torch expert GEMV vs FloE's sparse kernels at each keep fraction, and torch INT2 reference vs `int2_gemv`.
-
-    Returns plain numbers: {"dense_ms", "sparse": {keep: {"ms", "speedup"}}, "int2_ref_ms", "int2_ms", "int2_speedup",
-    "up_dense_ms"} (sparse = masked_gate_up + masked_down given a_up and the mask)."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    r = lambda *s: (torch.randn(*s, generator=gen) / math.sqrt(s[-1])).to(device, dtype)
-    x, Wg, Wu, Wd = r(n_hidden), r(n_ff, n_hidden), r(n_ff, n_hidden), r(n_hidden, n_ff)  # transformers' layout
-    Wd_t = Wd.T.contiguous()
-    dense = lambda: F.linear(F.silu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)
-    out = {"dense_ms": _ms(dense), "sparse": {}}
-    a_up = F.linear(x, Wu).float()
-    for frac in keep:
-        mask = torch.zeros(n_ff, dtype=torch.bool, device=device)
-        mask[a_up.abs().topk(max(1, round(frac * n_ff))).indices] = True  # |a_up| ≥ t at this keep fraction
-        ms = _ms(lambda m=mask: masked_down(masked_gate_up(x, Wg, a_up, m, autotune=autotune), Wd_t, m,
-                                            autotune=autotune))
-        out["sparse"][frac] = {"ms": ms, "speedup": out["dense_ms"] / ms}
-    ng = math.ceil(n_hidden / group_size)
-    q = torch.randint(0, 4, (n_ff, n_hidden), generator=gen).to(device)
-    packed = pack_int2(q)
-    scale = (torch.rand(n_ff, ng, generator=gen) * 0.02).to(device)
-    zero = torch.full((n_ff, ng), 1.5, device=device)
-    out["up_dense_ms"] = _ms(lambda: F.linear(x, Wu))
-    out["int2_ref_ms"] = _ms(lambda: int2_gemv_ref(x, packed, scale, zero, group_size, n_hidden))
-    out["int2_ms"] = _ms(lambda: int2_gemv(x, packed, scale, zero, group_size, n_hidden, autotune=autotune))
-    out["int2_speedup"] = out["int2_ref_ms"] / out["int2_ms"]
     return out

@@ -1,20 +1,28 @@
 """Group-wise low-bit weight quantization: round-to-nearest (RTN) and HQQ's half-quadratic solver.
 
-A weight W (N, K) is cut into groups of `group_size` consecutive inputs along K (HQQ's `axis=1`);
-each group g gets a scale s_g and a zero z_g, and codes q = clamp(round(W / s + z), 0, 2^b − 1), so
-that W ≈ (q − z) · s. We store the *forward* scale s (HQQ optimises with its inverse 1/s and inverts
-it at the end; `quantize` follows that internally).
+A weight W (N, K) is cut into groups of `group_size` consecutive inputs along K (the `hqq` package's `axis=1` on a
+row-major W); each group g gets a scale s_g and a zero z_g, and codes q = clamp(round(W / s + z), 0, 2^b − 1), so
+that W ≈ (q − z) · s. We store the *forward* scale s (HQQ optimises with its inverse 1/s and inverts it at the
+end; `quantize` follows that internally), both as float32 (N, G).
 
-HQQ (Badri & Shaji 2023, "Half-Quadratic Quantization of Large Machine Learning Models"; the `hqq`
-package's `optimize_weights_proximal_legacy`) keeps the min-max scale and solves for the zero point
-by alternating (i) W_e = shrink_p(W − W_r, β), a generalised soft-threshold (the proximal operator of
-the ℓ_p "norm" with p < 1, robust to outliers), (ii) z = mean(q − (W − W_e)/s) per group, with β ← κβ,
-stopping early when the mean |W − W_r| rises. Defaults lp=0.7, β=10, κ=1.01, 20 iterations, as in
-HQQ and FloE's configuration (`hqq.BaseQuantizeConfig(nbits=2, group_size=64)`).
+HQQ (Badri & Shaji 2023, "Half-Quadratic Quantization of Large Machine Learning Models"; the `hqq` package's
+`Quantizer.quantize(..., optimize=True)`, whose solver `optimize_weights_proximal` is
+`optimize_weights_proximal_legacy`) keeps the min-max scale and solves for the zero point by alternating (i) W_e =
+shrink_p(W − W_r, β), a generalised soft-threshold (the proximal operator of the ℓ_p "norm" with p < 1, robust to
+outliers), (ii) z = mean(q − (W − W_e)/s) per group, with β ← κβ. The early stop is the package's: iteration i
+measures the mean |W − W_r| of the zero it starts from, updates the zero, and stops as soon as that error is not
+below the best so far — keeping the zero it has just computed (the package's `_v2` solver instead rolls back to the
+best iterate). Defaults lp=0.7, β=10, κ=1.01, 20 iterations, as in the HQQ paper and hqq ≤ 0.2.6 (FloE's
+configuration is `hqq.BaseQuantizeConfig(nbits=2, group_size=64)`); hqq 0.2.7 and later no longer multiply β by κ
+(their legacy loop lost that line), which is `kappa=1` here. With `kappa=1`, `tests/compress/test_quant.py` finds
+scale, zero and dequantized weights equal to hqq 0.2.8.post1's at 1–4 bits. (One difference left: a group whose
+range is at most 1e-4 gets inverse scale 1 in the package, the 2e4 clamp here.)
 
-Packing (`pack`/`unpack`): 8/b codes per byte for b ∈ {1, 2, 4} (code i of a byte in bits b·i…),
-ten 3-bit codes per int32 for b = 3, plain uint8 for b = 8. The INT2 layout is the one the Triton
-kernel `kernels.floe.int2_gemv` reads.
+Packing (`pack`/`unpack`) is this lab's own, not the package's: each row of codes is packed along K, 8/b
+consecutive codes per byte for b ∈ {1, 2, 4} (code i of a byte in bits b·i … b·i + b − 1, lowest first), ten
+3-bit codes per int32 for b = 3, plain uint8 for b = 8; the INT2 rows are what the Triton kernel
+`kernels.floe.int2_gemv` reads. (The `hqq` package's `BitPack` packs across groups instead: it splits the
+(groups, group_size) code matrix into 8/b blocks of rows and puts the first block in the highest bits.)
 """
 
 from __future__ import annotations
@@ -90,18 +98,17 @@ def quantize(W: Tensor, nbits: int = 2, group_size: int = 64, method: str = "hqq
     inv = inv.clamp(max=2e4)
     zero = -lo * inv
     if method == "hqq":
-        best, best_zero = float("inf"), zero
+        best = float("inf")
         for _ in range(iters):
             q = torch.round(Wg * inv + zero).clamp(0, qmax)
-            Wr = (q - zero) / inv
+            Wr = (q - zero) / inv  # W_r of the zero this iteration starts from
             We = shrink_lp(Wg - Wr, beta, lp)
             zero = torch.mean(q - (Wg - We) * inv, dim=-1, keepdim=True)
             beta *= kappa
             err = float((Wg - Wr).abs().mean())
-            if err >= best:  # early stop: keep the zero of the best iterate
+            if err >= best:  # early stop as the package's solver: keep the zero just computed (module docstring)
                 break
-            best, best_zero = err, zero
-        zero = best_zero
+            best = err
     q = torch.round(Wg * inv + zero).clamp(0, qmax).to(torch.uint8).reshape(n, -1)[:, :k]
     return QTensor(pack(q, nbits), (1.0 / inv).squeeze(-1), zero.squeeze(-1), nbits, group_size, (n, k))
 

@@ -8,18 +8,22 @@ output error of sparsifying each activation at equal kept fraction: L_down ≤ L
 
 The FloE expert (Eq. 11) sparsifies the *up* output, a^S(x) = (SiLU(x W_gate) ⊙ S_t(x W_up)) W_down,
 so only the kept rows of W_gate and W_downᵀ are needed per token, while W_up (needed whole, to find
-the mask) is stored INT2 (HQQ, group 64). Predictors (Sec. 3.3): the next layer's experts from the
-current MoE input through the next layer's router (inter-expert), and the next layer's neurons as the
-top-|x W_up^{i+1,e}| with the resident INT2 W_up (intra-expert).
+the mask) is stored INT2 (HQQ, group 64). Its thresholds are calibrated on the activation that mask
+thresholds, |x W_up| with the INT2 W_up (`floe_thresholds`), so it keeps about 1 − k of the up neurons
+on new tokens (`kept_fraction`); calibrated on the full-precision up projection instead, the noisier
+INT2 activations cross them more often (the `fp_thresholds` control). Predictors (Sec. 3.3): the next
+layer's experts from the current MoE input through the next layer's router (inter-expert), and the
+next layer's neurons as the top-|x W_up^{i+1,e}| with the resident INT2 W_up (intra-expert).
 
 The MoE plumbing (expert weights, router, block inputs, experts swapped for an `ExpertFn`) is
-`lab.moe.blocks`; the offload engine of Sec. 3.4 is `lab.moe.offload`; the toy's measurements and
+`lab.moe.blocks`; the predictors' measurements are `lab.moe.floe_predictors`; the offload engine of Sec. 3.4 is
+`lab.moe.offload`; the toy's measurements and
 `python -m lab bench floe` are `lab.moe.floe_bench`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +40,8 @@ SILU_MIN = 0.2784645  # −min SiLU(z), the shift c of Theorem 3.1's exponential
 CONTROLS = {  # the substitutions a skeptic would make; the notebook declares which claims each must break
     "random_mask": "every magnitude mask S_t (Eq. 5) replaced by a random mask keeping as many entries per token",
     "gate_for_up": "the mask taken from |a_gate| where FloE takes |a_up| (and from |a_up| where it takes |a_gate|)",
+    "fp_thresholds": "FloE's thresholds calibrated on the full-precision W_up's |a_up| while its mask thresholds the "
+                     "INT2 W_up's (Eq. 6 on another activation than the one Eq. 11 masks)",
     "random_predictor": "the inter- and intra-expert predictors replaced by random experts and random neurons",
     "untrained": "the same model untrained (its random initialisation): sensitivities a trained MoE learns vanish",
 }
@@ -139,15 +145,21 @@ def expert_out(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor, on: str | None = N
 
 @torch.no_grad()
 def thresholds(model: nn.Module, xs: list[Tensor], k: float | list[float], on: str = "up",
-               per_expert: bool = True) -> Tensor:
+               per_expert: bool = True, nbits: int | None = None, group_size: int = 64) -> Tensor:
     """t (L, E) for sparsity k — the k-quantile of |a_on| over the tokens routed to each expert (Eq. 6);
-    (len(k), L, E) for a list of k. `per_expert=False` pools a layer's experts into one threshold."""
+    (len(k), L, E) for a list of k. `per_expert=False` pools a layer's experts into one threshold. With `nbits`,
+    a_up (and so a_down) come from W_up HQQ-quantized to `nbits` (group `group_size`), exactly the weight a
+    `FloEExpert` masks with; a_gate does not depend on W_up."""
     ks = torch.tensor([k] if isinstance(k, float | int) else list(k), dtype=torch.float32)
     t = torch.zeros(len(ks), len(xs), moe_blocks(model)[0].experts.down_proj.shape[0])
+    quant = nbits is not None and on != "gate"
     for l, (mlp, x) in enumerate(zip(moe_blocks(model), xs)):
         _, _, idx = route(mlp, x)
-        mags = [activations(x[(idx == e).any(-1)], *weights(mlp, e))[on].abs().flatten().float()
-                for e in range(t.shape[2])]
+        mags = []
+        for e in range(t.shape[2]):
+            Wg, Wu, Wd = weights(mlp, e)
+            Wu = fake_quantize(Wu.detach(), nbits, group_size) if quant else Wu
+            mags.append(activations(x[(idx == e).any(-1)], Wg, Wu, Wd)[on].abs().flatten().float())
         if per_expert:
             for e, m in enumerate(mags):
                 t[:, l, e] = _quantile(m, ks) if m.numel() else float("inf")
@@ -160,6 +172,17 @@ def _quantile(m: Tensor, ks: Tensor) -> Tensor:
     """min{t : F(t) ≥ k} of the empirical CDF F of m, for each k (Eq. 6's definition, no interpolation)."""
     s = m.sort().values
     return s[(ks * len(s)).ceil().long().clamp(1, len(s)) - 1]
+
+
+def floe_thresholds(model: nn.Module, xs: list[Tensor], k: float, nbits: int = 2, group_size: int = 64,
+                    control: str = "") -> Tensor:
+    """FloE's per-expert thresholds t (L, E) at sparsity k, calibrated (Eq. 6) on the activation the FloE expert
+    masks: |x W_up| with W_up in INT2 (HQQ, `nbits`, `group_size`), since Eq. 11 thresholds the up output of the
+    stored weight. Under `fp_thresholds` on the full-precision W_up's |x W_up| instead (the INT2 one, noisier,
+    then crosses them more often); under `gate_for_up` on |a_gate|, the mask `floe_experts` then takes."""
+    control = check_control(control)
+    return thresholds(model, xs, k, mask_source("up", control), nbits=None if control == "fp_thresholds" else nbits,
+                      group_size=group_size)
 
 
 def sparse_fn(model: nn.Module, t: Tensor, on: str, control: str = "", seed: int = 0) -> ExpertFn:
@@ -228,8 +251,9 @@ class FloEExpert:
 
 def floe_experts(model: nn.Module, t: Tensor, nbits: int = 2, group_size: int = 64, control: str = "",
                  seed: int = 0) -> dict[tuple[int, int], FloEExpert]:
-    """A FloEExpert for every (layer, expert) with thresholds t (L, E) on |a_up| (on |a_gate| under the
-    `gate_for_up` control: t must then be a_gate's; a random mask of the same size under `random_mask`)."""
+    """A FloEExpert for every (layer, expert) with thresholds t (L, E) on its INT2 |a_up| (`floe_thresholds`; on
+    |a_gate| under the `gate_for_up` control: t must then be a_gate's; a random mask of the same size under
+    `random_mask`)."""
     rnd = check_control(control) == "random_mask"
     return {(l, e): FloEExpert(*weights(mlp, e), float(t[l, e]), nbits, group_size, mask_source("up", control),
                                seed * 10_007 + l * 101 + e if rnd else None)
@@ -239,6 +263,27 @@ def floe_experts(model: nn.Module, t: Tensor, nbits: int = 2, group_size: int = 
 def floe_fn(experts: dict[tuple[int, int], FloEExpert]) -> ExpertFn:
     """The FloE experts (masked-dense form) as an `ExpertFn`."""
     return lambda l, e, x: experts[l, e](x)
+
+
+@torch.no_grad()
+def kept_fraction(experts: dict[tuple[int, int], FloEExpert], model: nn.Module, xs: list[Tensor],
+                  layers: tuple[int, ...] | None = None, t: Tensor | None = None) -> float:
+    """The share of up neurons the FloE masks keep on the tokens routed to each expert of `layers` (all but layer
+    0 by default), averaged over routed (token, expert) pairs: the sparsity FloE actually runs at is 1 − this.
+    With thresholds t (L, E), the share the same masks would keep with t in place of each expert's own."""
+    kept = total = 0
+    for l, (mlp, x) in enumerate(zip(moe_blocks(model), xs)):
+        if l not in (layers if layers is not None else range(1, len(xs))):
+            continue
+        _, _, idx = route(mlp, x)
+        for e in idx.unique().tolist():
+            ex = experts[l, e]
+            if t is not None:
+                ex = copy.copy(ex)  # shares the weights; only the threshold differs
+                ex.t = float(t[l, e])
+            _, m = ex.mask(x[(idx == e).any(-1)])
+            kept, total = kept + m.sum().item(), total + m.numel()
+    return kept / max(1, total)
 
 
 def fit_shifted_exponential(a_gate: Tensor) -> tuple[float, float]:
@@ -261,73 +306,3 @@ def theorem_errors(eta: float, lam: float, c: float = SILU_MIN, sigma: float = 1
         dropped = a.abs() < _quantile(a.abs(), torch.tensor([1 - eta]))[0]
         out[name] = float((a_down.pow(2) * dropped).mean() / total)
     return out
-
-
-# --- dual predictors (Sec. 3.3) ---------------------------------------------------------------
-
-def _cos(a: Tensor, b: Tensor) -> float:
-    return F_.cosine_similarity(a, b, dim=-1).mean().item()
-
-
-@torch.no_grad()
-def predictor_stats(model: nn.Module, xs: list[Tensor], keep: float, int2: dict | None = None,
-                    router: Callable[[int, Tensor], Tensor] | None = None, control: str = "",
-                    seed: int = 0) -> list[dict[str, float]]:
-    """For each layer i+1 predicted from layer i's MoE input x_i:
-
-    - `cos`: mean cosine(x_i, x_{i+1});
-    - `inter`: unordered top-k overlap of router_{i+1}(x_i) (or `router(i+1, x_i)`) with the true top-k;
-    - `intra`: recall of top-⌈keep·F⌉ |x_i W_up^{i+1,e}| against top-⌈keep·F⌉ |x_{i+1} W_up^{i+1,e}| on the
-      true experts (W_up from `int2[(i+1, e)].Wu` when given, as resident in the engine).
-
-    Under the `random_predictor` control both predictions are random scores (seeded)."""
-    blocks = moe_blocks(model)
-    g = torch.Generator(xs[0].device).manual_seed(seed) if check_control(control) == "random_predictor" else None
-    rand = lambda *shape: torch.rand(*shape, generator=g, device=xs[0].device)
-    E, F = blocks[0].experts.down_proj.shape[0], blocks[0].experts.down_proj.shape[-1]
-    n_keep = max(1, round(keep * F))
-    out = []
-    for i in range(len(xs) - 1):
-        x0, x1, nxt = xs[i], xs[i + 1], blocks[i + 1]
-        _, _, true = route(nxt, x1)  # (n, k)
-        logits = rand(len(x0), E) if g else router(i + 1, x0) if router else route(nxt, x0)[0]
-        pred = logits.topk(true.shape[1], -1).indices
-        inter = (pred.unsqueeze(-1) == true.unsqueeze(-2)).any(-1).float().mean().item()
-        rec = []
-        for e in range(E):
-            sel = (true == e).any(-1)
-            if not sel.any():
-                continue
-            Wu = int2[(i + 1, e)].Wu if int2 else weights(nxt, e)[1]
-            p = (rand(int(sel.sum()), F) if g else (x0[sel] @ Wu.T).abs()).topk(n_keep, -1).indices
-            q = (x1[sel] @ Wu.T).abs().topk(n_keep, -1).indices
-            hit = torch.zeros(int(sel.sum()), F, device=x0.device).scatter_(1, p, 1).gather(1, q)
-            rec.append(hit.mean(-1))
-        out.append({"layer": i + 1, "cos": _cos(x0, x1), "inter": inter, "intra": torch.cat(rec).mean().item()})
-    return out
-
-
-def train_inter_predictor(x: Tensor, logits_next: Tensor, router_next: Tensor, top_k: int = 2, hidden: int = 0,
-                          epochs: int = 20, lr: float = 5e-4, batch: int = 2048, seed: int = 0) -> nn.Module:
-    """The inter-expert predictor of zju-stu-lizheng/On-the-Fly_MoE (the co-authors' development code):
-    Linear(H→E) initialised from the next router (`hidden=0`) or Linear–SiLU–Linear, trained with
-    SmoothL1 against the multi-hot top-k of the next layer's true logits (Adam, 80/20 split is left to
-    the caller)."""
-    torch.manual_seed(seed)
-    H, E = x.shape[-1], logits_next.shape[-1]
-    if hidden:
-        net = nn.Sequential(nn.Linear(H, hidden), nn.SiLU(), nn.Linear(hidden, E))
-    else:
-        net = nn.Linear(H, E, bias=False)
-        net.weight.data.copy_(router_next.cpu())
-    net = net.to(x.device)
-    target = torch.zeros_like(logits_next).scatter_(1, logits_next.topk(top_k, -1).indices, 1.0)
-    opt = torch.optim.Adam(net.parameters(), lr)
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        for idx in torch.randperm(len(x), generator=g).split(batch):
-            loss = F_.smooth_l1_loss(net(x[idx]), target[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return net.eval()

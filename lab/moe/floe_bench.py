@@ -6,11 +6,13 @@
 the FloE expert against its baselines at equal sparsity, the trained inter-expert predictor (Sec. 3.3),
 the Triton kernels against the FloE expert, and the offload engine (Sec. 3.4): `Decoder` decodes held-out
 sequences under each policy and reports bytes/token, tokens/s (modelled on CPU by the device-tier
-simulator, measured with CUDA events on a GPU), misses, loss and one token's timeline.
+simulator, measured with CUDA events on a GPU), misses, loss, one token's timeline, the engine's device bytes and,
+on CUDA, `torch.cuda.max_memory_allocated` beside the planned bytes; `mixtral_at_equal_memory` sizes the
+Mixtral-offloading baseline to FloE's device memory.
 
 `floe_bench` runs the engine comparison in one go, with FP16 expert offload as the reference, and
 `report` prints it as ratios; on CUDA the bench also times the Triton kernels against the dense torch
-expert at Mixtral's shape (`kernels.floe.bench`) and pinned host-to-device copies (`links.h2d_bandwidth`).
+expert at Mixtral's shape (`kernels.floe_bench.bench`) and pinned host-to-device copies (`links.h2d_bandwidth`).
 """
 
 from __future__ import annotations
@@ -33,20 +35,24 @@ from lab.models import TrainConfig, TrainResult, fit
 from lab.models.zoo import tiny_mixtral
 from lab.moe import blocks, links
 from lab.moe import floe as fl
+from lab.moe import floe_predictors as fpred
 from lab.moe.links import MIXTRAL, CudaLink, SimLink, TimeModel
 from lab.moe.offload import OffloadEngine, plan
 
 POLICIES = {"FP16 on demand": ("fp16", {}), "INT2 on demand": ("int2", {}),
             "LRU FP16 k=2": ("lru-fp16", {"cache_k": 2}), "LRU INT2 k=2": ("lru-int2", {"cache_k": 2}),
+            "Mixtral-offloading k=2": ("mixtral", {"cache_k": 2}), "DeepSpeed streaming": ("stream", {}),
             "FloE k=0.8": ("floe", {"keep": 0.2}),
             "FloE k=0.9": ("floe", {"keep": 0.1})}
 
 
 def engine_policies(keep: float) -> dict[str, tuple[str, dict]]:
     """The notebook's engine comparison: FP16 and INT2 experts on demand, LRU caches of 2 whole experts per
-    layer (FP16, INT2), FloE at `keep` and at keep 0.1."""
+    layer (FP16, INT2), Mixtral-offloading (2 experts per layer and its 4 buffers: on the toy about FloE's device
+    memory), DeepSpeed-style whole-layer streaming, FloE at `keep` and at keep 0.1."""
     return {"FP16 on demand": ("fp16", {}), "INT2 on demand": ("int2", {}),
             "LRU FP16, k=2": ("lru-fp16", {"cache_k": 2}), "LRU INT2, k=2": ("lru-int2", {"cache_k": 2}),
+            "Mixtral-offloading, k=2": ("mixtral", {"cache_k": 2}), "DeepSpeed streaming": ("stream", {}),
             f"FloE keep {keep:.2g}": ("floe", {"keep": keep}), "FloE keep 0.1": ("floe", {"keep": 0.1})}
 
 
@@ -129,8 +135,10 @@ def quant_sensitivity(model: nn.Module, batch: dict[str, Tensor], xs: list[Tenso
 
 def expert_variants(model: nn.Module, xs_cal: list[Tensor], t_up: Tensor, k: float, experts: dict, control: str = "",
                     seed: int = 0, nbits: int = 2, group_size: int = 64) -> dict[str, blocks.ExpertFn]:
-    """The FloE expert (Eq. 11) and its baselines at sparsity k: up sparsified alone, CATS (gate mask), a random
-    mask of the same size, and the whole expert in HQQ INT2 (what Mixtral-offloading moves)."""
+    """The FloE expert (Eq. 11, `experts`: thresholds on its INT2 a_up) and its baselines at sparsity k, each
+    calibrated on the activation it masks: up sparsified alone (full-precision W_up, so `t_up` is calibrated on the
+    full-precision a_up), CATS (gate mask), a random mask of the up mask's size, and the whole expert in HQQ INT2
+    (what Mixtral-offloading moves)."""
     return {"FloE (INT2 up + sparse)": fl.floe_fn(experts),
             "up sparse only": fl.sparse_fn(model, t_up, fl.mask_source("up", control), control, seed),
             "CATS (gate sparse)": fl.sparse_fn(model, fl.thresholds(model, xs_cal, k, "gate"), "gate"),
@@ -158,10 +166,10 @@ def trained_overlap(model: nn.Module, xs_cal: list[Tensor], xs_ev: list[Tensor],
     for i in range(len(xs_cal) - 1):
         nxt = mlps[i + 1]
         logits = blocks.route(nxt, xs_cal[i + 1])[0].detach()
-        net = fl.train_inter_predictor(xs_cal[i], logits, nxt.gate.weight.detach(), epochs=epochs, lr=lr, batch=batch,
-                                       seed=seed)
+        net = fpred.train_inter_predictor(xs_cal[i], logits, nxt.gate.weight.detach(), epochs=epochs, lr=lr,
+                                          batch=batch, seed=seed)
         with torch.no_grad():
-            stats = fl.predictor_stats(model, xs_ev, keep, int2, router=lambda l, x0, net=net: net(x0))
+            stats = fpred.predictor_stats(model, xs_ev, keep, int2, router=lambda l, x0, net=net: net(x0))
         out.append(stats[i]["inter"])
     return out
 
@@ -183,10 +191,13 @@ def kernel_errors(ex: fl.FloEExpert, x: Tensor) -> tuple[float, float]:
 def mixtral_bytes_per_call() -> dict[str, float]:
     """Host-to-device bytes per expert call at Mixtral-8x7B's shapes: ZeRO-3's whole MoE block (8 FP16 experts,
     shown per call as 4), an FP16 expert, an HQQ INT2 expert (2.5 bits per weight with group-64 FP16 scale/zero),
-    and FloE's FP16 gate/down rows at k = 0.8 and 0.9."""
+    Mixtral-offloading's expert block (group 16, 8-bit scale/zero, `offload_store.mo_layout`), and FloE's FP16
+    gate/down rows at k = 0.8 and 0.9."""
+    from lab.moe.offload_store import mo_layout
+
     H, FF = MIXTRAL["H"], MIXTRAL["F"]
     return {"ZeRO-3 MoE block (/2)": 8 * 3 * H * FF * 2 / 2, "FP16 expert": 3 * H * FF * 2,
-            "HQQ INT2 expert (g64)": 3 * H * FF * 2.5 / 8,
+            "HQQ INT2 expert (g64)": 3 * H * FF * 2.5 / 8, "Mixtral-offloading expert (g16)": mo_layout(FF, H)[-1][1],
             "FloE rows, k = 0.8": 2 * 0.2 * H * FF * 2, "FloE rows, k = 0.9": 2 * 0.1 * H * FF * 2}
 
 
@@ -194,6 +205,14 @@ def equal_memory_k(resident: float, int2_bytes: float, n_layers: int, top_k: int
     """LRU experts per layer holding about `resident` device bytes: `int2_bytes` is one token's on-demand INT2
     bytes over `n_layers` offloaded layers (top_k whole experts each)."""
     return max(1, round(resident / (n_layers * int2_bytes / (top_k * n_layers))))
+
+
+def mixtral_at_equal_memory(model: nn.Module, keep: float, n_buffers: int = 4) -> tuple[int, dict | None]:
+    """FloE's device bytes at `keep` (its INT2 W_up and two row buffers, as its engine holds them) and the
+    Mixtral-offloading arguments (`offload.plan`: experts per layer plus its buffers) that fit in as many bytes
+    (None if not even one expert per layer fits)."""
+    floe_bytes = OffloadEngine(model, "floe", SimLink(TimeModel()), keep=keep).stats.resident_bytes
+    return floe_bytes, plan(model, floe_bytes, keep, n_buffers=n_buffers)["mixtral"]
 
 
 # ---------------------------------------------------------------------------------- the engine runs
@@ -225,6 +244,7 @@ class Decoder:
 
     def run(self, policy: str, kw: dict, gbps: float, n: int | None = None) -> dict:
         out = {"nll": [], "bytes": [], "sec": [], "miss": 0, "calls": 0}
+        cuda = self.device == "cuda"
         for s in self.seqs[:n]:
             eng = OffloadEngine(self.model, policy, self.link(gbps),
                                 device=self.device, predictor=self.predictor, seed=self.seed, **kw)
@@ -234,12 +254,13 @@ class Decoder:
             out["sec"] += st.seconds[1:]  # the first token includes warm-up on CUDA
             out["miss"] += st.misses
             out["calls"] += st.calls
-            t_last = st.seconds[-1]
-            out["spans"] = [sp for sp in eng.link.spans if sp.end >= eng.link.now() - t_last - 1e-12]
+            out["spans"] = eng.link.spans_since(eng.last_token)
             out["resident"] = st.resident_bytes
-        return {"loss": sum(out["nll"]) / len(out["nll"]), "bytes": sum(out["bytes"]) / len(out["bytes"]),
-                "tps": len(out["sec"]) / sum(out["sec"]), "miss": out["miss"] / max(1, out["calls"]),
-                "spans": out["spans"], "resident": out["resident"]}
+            out["max_memory"], out["planned"] = st.max_memory, st.model_bytes + st.resident_bytes
+        res = {"loss": sum(out["nll"]) / len(out["nll"]), "bytes": sum(out["bytes"]) / len(out["bytes"]),
+               "tps": len(out["sec"]) / sum(out["sec"]), "miss": out["miss"] / max(1, out["calls"]),
+               "spans": out["spans"], "resident": out["resident"]}
+        return res | ({"max_memory": out["max_memory"], "planned": out["planned"]} if cuda else {})
 
     def decode_all(self, policies: dict[str, tuple[str, dict]], gbps: float | None = None,
                    n: int | None = None) -> dict[str, dict]:
@@ -256,8 +277,7 @@ class Decoder:
         a policy that does not fit is left out (the offload explorer's callback)."""
         fit_ = plan(self.model, int(budget_kb * 1e3), keep)
         runs = {"FP16 on demand": ("fp16", {})}
-        runs.update({name: (pol, fit_[pol]) for name, pol in (("LRU FP16", "lru-fp16"), ("LRU INT2", "lru-int2"),
-                                                              ("floe", "floe")) if fit_[pol] is not None})
+        runs.update({name: (pol, fit_[pol]) for name, pol in BUDGETED if fit_[pol] is not None})
         return self.decode_all(runs, gbps, n=1)
 
     def tps_by_bandwidth(self, policies: dict[str, tuple[str, dict]], bandwidths: tuple[float, ...]) -> dict:
@@ -265,13 +285,17 @@ class Decoder:
         return {name: [self.decode(p, kw, b, n=1)["tps"] for b in bandwidths] for name, (p, kw) in policies.items()}
 
     def tps_by_budget(self, budgets_kb: tuple[float, ...], keep: float) -> dict[str, list]:
-        """{LRU FP16, LRU INT2, floe: [tokens/s under each device budget, None where it does not fit]}."""
-        out = {name: [] for name in ("LRU FP16", "LRU INT2", "floe")}
+        """{LRU FP16, LRU INT2, Mixtral-offloading, floe: [tokens/s under each device budget, None where it does
+        not fit]}."""
+        out = {name: [] for name, _ in BUDGETED}
         for b in budgets_kb:
             res = self.simulate(self.pcie_gbps, keep, b)
             for name in out:
                 out[name].append(res[name]["tps"] if name in res else None)
         return out
+
+
+BUDGETED = (("LRU FP16", "lru-fp16"), ("LRU INT2", "lru-int2"), ("Mixtral-offloading", "mixtral"), ("floe", "floe"))
 
 
 @stage
@@ -291,40 +315,61 @@ def floe_bench(seed: int = 0, device: str = "cpu", pcie_gbps: float = 25.0, n_se
     task, _, model = toy(cfg, seed, device, quiet=True)
     cal, ev = toy_data(task, cfg.n_seq, seed, device)
     xs_cal, xs_ev = blocks.moe_inputs(model, cal), blocks.moe_inputs(model, ev["input_ids"])
-    t_up = {keep: fl.thresholds(model, xs_cal, 1 - keep, "up") for keep in (0.2, 0.1)}
-    variant = {"fp16": blocks.dense_fn(model), "int2": fl.quant_fn(model, fl.MATRICES, 2, 64)}
+    t_up = {keep: fl.floe_thresholds(model, xs_cal, 1 - keep) for keep in (0.2, 0.1)}  # on the INT2 W_up, as masked
     dec = Decoder(model, decode_seqs(task, n_seq, seed, device), device, pcie_gbps)
     out = {}
     for name, (policy, kw) in POLICIES.items():
+        fn = fl.floe_fn(fl.floe_experts(model, t_up[kw["keep"]])) if policy == "floe" else form_fn(model, policy)
+        err = blocks.layer_errors(model, xs_ev, fn)[1:].mean().item()
         r = dec.decode(policy, kw)
-        if policy == "floe":
-            fn = fl.floe_fn(fl.floe_experts(model, t_up[kw["keep"]]))
-        else:
-            fn = variant["fp16" if "fp16" in policy else "int2"]
-        out[name] = {"bytes": r["bytes"], "tps": r["tps"], "loss": r["loss"],
-                     "layer_error": blocks.layer_errors(model, xs_ev, fn)[1:].mean().item(), "miss": r["miss"]}
+        out[name] = {"bytes": r["bytes"], "tps": r["tps"], "loss": r["loss"], "layer_error": err, "miss": r["miss"]}
+        out[name] |= {key: r[key] for key in ("max_memory", "planned") if key in r}
     ref = out["FP16 on demand"]
     for r in out.values():
         r["bytes_vs_fp16"], r["speed_vs_fp16"] = ref["bytes"] / r["bytes"], r["tps"] / ref["tps"]
     return out
 
 
+def form_fn(model: nn.Module, policy: str) -> blocks.ExpertFn:
+    """Every expert computed from the form `policy` holds it in (`offload.form_of`), decoded to the model's dtype:
+    what the engine computes, as an `ExpertFn` (for the layer errors)."""
+    from lab.moe import offload_store as st
+    from lab.moe.offload import form_of
+
+    mlps, cache = blocks.moe_blocks(model), {}
+    wd = st.weight_dtype(mlps[0].experts.down_proj.dtype)
+
+    def fn(l: int, e: int, x: Tensor) -> Tensor:
+        if (l, e) not in cache:
+            W = tuple(w.detach() for w in blocks.weights(mlps[l], e))
+            cache[l, e] = st.decode(form_of(policy, W, wd, 64), W[0].shape[0], W[0].shape[1], x.dtype)
+        Wg, Wu, Wd_t = cache[l, e]
+        return blocks.expert(x, Wg, Wu, Wd_t.T)
+
+    return fn
+
+
 def cuda_timings() -> tuple[dict, dict]:
     """On a GPU: the Triton kernels against the dense torch expert at Mixtral's shape (ms, speedups), and pinned
-    host-to-device GB/s of compact row chunks against per-row copies."""
-    from kernels import floe as kf
+    host-to-device GB/s of compact row chunks against per-row copies, with the host's one-thread row-gather GB/s
+    (`links.gather_bandwidth`, what the simulator's `TimeModel.host` models) beside them."""
+    from kernels.floe_bench import bench as kernel_bench
 
-    return kf.bench(), links.h2d_bandwidth()
+    return kernel_bench(), links.h2d_bandwidth() | {"host_gather_one_thread": links.gather_bandwidth()}
 
 
 def report(results: dict[str, dict], device: str) -> str:
     clock = "measured (CUDA events)" if device == "cuda" else "modelled (device-tier simulator, Mixtral-equivalent)"
-    lines = [f"FloE offload benchmark on the toy Mixtral; tokens/s {clock}",
-             f"{'policy':>16} {'kB/token':>9} {'FP16/this':>9} {'tok/s':>8} {'vs FP16':>8} {'miss':>5} {'loss':>7} "
-             f"{'layer err':>9}"]
+    mem = device == "cuda"
+    lines = [f"FloE offload benchmark on the toy Mixtral; tokens/s {clock}"
+             + ("; device memory: torch.cuda.max_memory_allocated during the decode vs planned (model + engine)"
+                if mem else ""),
+             f"{'policy':>22} {'kB/token':>9} {'FP16/this':>9} {'tok/s':>8} {'vs FP16':>8} {'miss':>5} {'loss':>7} "
+             f"{'layer err':>9}" + (f" {'max MB':>8} {'planned':>8}" if mem else "")]
     for name, r in results.items():
-        lines.append(f"{name:>16} {r['bytes'] / 1e3:9.1f} {r['bytes_vs_fp16']:8.1f}x {r['tps']:8.1f} "
-                     f"{r['speed_vs_fp16']:7.1f}x {r['miss']:5.2f} {r['loss']:7.4f} {r['layer_error']:9.2e}")
+        lines.append(f"{name:>22} {r['bytes'] / 1e3:9.1f} {r['bytes_vs_fp16']:8.1f}x {r['tps']:8.1f} "
+                     f"{r['speed_vs_fp16']:7.1f}x {r['miss']:5.2f} {r['loss']:7.4f} {r['layer_error']:9.2e}"
+                     + (f" {r.get('max_memory', 0) / 1e6:8.2f} {r.get('planned', 0) / 1e6:8.2f}" if mem else ""))
     return "\n".join(lines)
 
 

@@ -3,15 +3,16 @@ the given model, calibrated and evaluated on the given text.
 
 `load_moe` refuses, from the config alone and before any weight is read, a model that has no sparse-MoE experts
 (FloE compresses and offloads experts; a dense model has none). `checkpoint` cuts the text (`lab.data.text`) into
-token blocks, half to calibrate the per-expert thresholds on |a_up| (Eq. 6) and half held out, and measures what the
-toy measures: the sparsity sensitivity of each matrix (Table 5), the kept fraction actually reached by the INT2 W_up
-mask on held-out inputs (the thresholds are calibrated on the full-precision up projection), the FloE expert against
-its baselines at equal sparsity (loss and layer error), and the offload engine's bytes per token, tokens per second
-(modelled by the device-tier simulator on CPU, measured with CUDA events on a GPU), misses and device-resident
-expert bytes per policy. Measurements only: the toy's thresholds say nothing about another model.
+token blocks, half to calibrate the per-expert thresholds (Eq. 6, on |a_up| of the INT2 W_up, the activation the FloE
+mask thresholds: `floe.floe_thresholds`) and half held out, and measures what the toy measures: the sparsity
+sensitivity of each matrix (Table 5), the kept fraction the INT2 W_up mask reaches on held-out inputs beside the one
+that thresholds calibrated on the full-precision up projection would reach, the FloE expert against its baselines at
+equal sparsity (loss and layer error), and the offload engine's bytes per token, tokens per second (modelled by the
+device-tier simulator on CPU, measured with CUDA events on a GPU), misses and device-resident expert bytes per
+policy. Measurements only: the toy's thresholds say nothing about another model.
 
-Precision: the model is loaded in float32, as the engine computes dequantized experts in float32 (running bf16/fp16
-checkpoints natively on the GPU path is open work). Layer 0 stays dense, as in the notebook's toy.
+Precision: the model is loaded in float32, the precision the measurements here (thresholds, layer errors, HQQ) are
+made and tested in. Layer 0 stays dense, as in the notebook's toy.
 """
 
 from __future__ import annotations
@@ -51,22 +52,6 @@ def load_moe(model: str, device: str = "cpu") -> tuple[nn.Module, object]:
     return net, tok
 
 
-@torch.no_grad()
-def kept_fraction(experts: dict[tuple[int, int], fl.FloEExpert], model: nn.Module, xs: list[torch.Tensor]) -> float:
-    """The share of up neurons the FloE mask keeps on the tokens routed to each expert (layers 1..), averaged over
-    routed (token, expert) pairs: the sparsity actually reached with the INT2 W_up."""
-    kept = total = 0
-    for l, (mlp, x) in enumerate(zip(blocks.moe_blocks(model), xs)):
-        if l == 0:
-            continue
-        _, _, idx = blocks.route(mlp, x)
-        for e in idx.unique().tolist():
-            tok = (idx == e).any(-1)
-            _, m = experts[l, e].mask(x[tok])
-            kept, total = kept + m.sum().item(), total + m.numel()
-    return kept / max(1, total)
-
-
 def checkpoint(model: str, data: str, cfg: fl.Config, *, k: float = 0.8, n_blocks: int = 8, block_len: int = 128,
                n_decode: int = 1, pcie_gbps: float = 25.0, seed: int = 0, device: str = "cpu") -> dict:
     """FloE's measurements on `model` with calibration / held-out text from `data` (module docstring)."""
@@ -82,9 +67,10 @@ def checkpoint(model: str, data: str, cfg: fl.Config, *, k: float = 0.8, n_block
     batch = {"input_ids": ev, "labels": ev}
     xs_cal, xs_ev = blocks.moe_inputs(net, cal), blocks.moe_inputs(net, ev)
     base = blocks.eval_loss(net, batch)
-    t_up = fl.thresholds(net, xs_cal, k, "up")
-    experts = fl.floe_experts(net, t_up, cfg.nbits, cfg.group_size)
-    variants = fb.expert_variants(net, xs_cal, t_up, k, experts, nbits=cfg.nbits, group_size=cfg.group_size)
+    t_fp = fl.thresholds(net, xs_cal, k, "up")  # full-precision a_up: the up-only and random-mask baselines
+    experts = fl.floe_experts(net, fl.floe_thresholds(net, xs_cal, k, cfg.nbits, cfg.group_size), cfg.nbits,
+                              cfg.group_size)
+    variants = fb.expert_variants(net, xs_cal, t_fp, k, experts, nbits=cfg.nbits, group_size=cfg.group_size)
     layers = list(range(1, len(xs_ev)))
     dec = fb.Decoder(net, ev[:n_decode], device, pcie_gbps, seed=seed)
     engine = {name: {key: v for key, v in r.items() if key != "spans"}
@@ -93,6 +79,7 @@ def checkpoint(model: str, data: str, cfg: fl.Config, *, k: float = 0.8, n_block
     return {"model": {"type": net.config.model_type, "layers": len(xs_ev), "experts": mlp0.experts.down_proj.shape[0],
                       "top_k": mlp0.gate.top_k, "params": sum(p.numel() for p in net.parameters())},
             "loss": base, "sparsity_errors": fb.sparsity_errors(net, xs_cal, xs_ev, cfg.ks),
-            "kept_fraction": {"target": 1 - k, "reached with INT2 W_up": kept_fraction(experts, net, xs_ev)},
+            "kept_fraction": {"target": 1 - k, "reached with INT2 W_up": fl.kept_fraction(experts, net, xs_ev),
+                              "thresholds of the full-precision W_up": fl.kept_fraction(experts, net, xs_ev, t=t_fp)},
             "variants": fb.variant_quality(net, batch, xs_ev, variants, base, layers), "engine": engine,
             "dense_decode_loss": dec.dense_loss()}

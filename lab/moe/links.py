@@ -1,12 +1,23 @@
 """How an offload engine moves experts and spends time: the copy/stream layer (`Link`) and its time model.
 
-One engine code path runs everywhere; only the link differs. `SimLink` (CPU, CI) copies host tensors and
-models time: a copy takes latency + bytes / PCIe bandwidth on one FIFO link, a layer's compute takes
-(bytes of weights it reads) / device-memory bandwidth (decode is memory-bound), and a layer starts when its
-data has arrived. `CudaLink` copies pinned host tensors on a side CUDA stream (non_blocking) and times copies
-and compute with CUDA events. `TimeModel.mixtral_equivalent` scales both bandwidths by (toy expert size /
-Mixtral expert size), so a toy timeline has Mixtral's proportions. Both record `Span`s (compute and
-transfer lanes) for a timeline. `h2d_bandwidth` measures pinned host-to-device copies of row chunks.
+One engine code path runs everywhere; only the link differs. Both links follow the same causal rules, stated
+by explicit dependencies (`after`, a time on `SimLink`, a CUDA event on `CudaLink`):
+
+- three lanes: `compute` (the device's main stream), `host` (the CPU thread that gathers rows into a staging
+  buffer), `transfer` (one FIFO host-to-device copy engine);
+- an operation starts when its lane is free and its inputs exist: a gather after the prediction that chose its
+  rows, a copy after its gather and after the last compute that read its destination buffer, a compute after
+  the copies it reads (`wait`);
+- every span records `needs`, the time its inputs existed, so a timeline can be checked for causality.
+
+`SimLink` (CPU, CI) copies host tensors and models time: a copy takes latency + bytes / PCIe bandwidth, a gather
+bytes / host-gather bandwidth, a compute (bytes of weights it reads) / device-memory bandwidth (decode is
+memory-bound). `CudaLink` copies pinned host tensors on a side CUDA stream (non_blocking) and times compute and
+copies with CUDA events and the host gather with the host clock; for timing it synchronises once per token
+(`elapsed`; the decode itself still waits where data must reach the host: the routed experts' ids, and a prediction
+before its host gather), and `spans` are read from the events only when asked for. `TimeModel.mixtral_equivalent`
+scales every bandwidth by (toy expert size / Mixtral expert size), so a toy timeline has Mixtral's proportions.
+`h2d_bandwidth` measures pinned host-to-device copies of row chunks, `gather_bandwidth` the host's row gather.
 """
 
 from __future__ import annotations
@@ -24,14 +35,18 @@ MIXTRAL = {"H": 4096, "F": 14336, "L": 32, "E": 8, "top_k": 2}  # Mixtral-8x7B's
 class TimeModel:
     pcie: float = 25e9  # host->device bytes/s (PCIe 4.0 x16 effective, FloE: 88% of peak)
     hbm: float = 936e9  # device memory bytes/s (RTX 3090)
+    host: float = 25e9  # host row-gather bytes/s (FloE's multithreaded packing keeps pace with PCIe, Sec. 3.4.2)
     latency: float = 10e-6  # per copy
-    scale: float = 1.0  # multiplies both bandwidths
+    scale: float = 1.0  # multiplies every bandwidth
 
     def transfer(self, nbytes: int) -> float:
         return self.latency + nbytes / (self.pcie * self.scale)
 
     def compute(self, nbytes: int) -> float:
         return nbytes / (self.hbm * self.scale)
+
+    def gather(self, nbytes: int) -> float:
+        return nbytes / (self.host * self.scale)
 
     @classmethod
     def mixtral_equivalent(cls, H: int, F: int, **kw) -> TimeModel:
@@ -41,108 +56,164 @@ class TimeModel:
 
 @dataclass
 class Span:
-    lane: str  # "compute" | "transfer"
+    lane: str  # "compute" | "transfer" | "host"
     layer: int
     start: float
     end: float
     what: str
+    needs: float = 0.0  # when its inputs existed (start >= needs in a causal timeline)
+
+
+def _nbytes(x: Tensor) -> int:
+    return x.numel() * x.element_size()
 
 
 class SimLink:
-    """Device-tier simulator: 'device' tensors are host copies; time is modelled by a TimeModel."""
+    """Device-tier simulator: 'device' tensors are host tensors; time is modelled by a TimeModel."""
 
     def __init__(self, tm: TimeModel):
-        self.tm, self.t, self.link_free, self.spans = tm, 0.0, 0.0, []
+        self.tm, self.t, self.link_free, self.host_free, self.spans = tm, 0.0, 0.0, 0.0, []
 
     def to_host(self, x: Tensor) -> Tensor:
-        return x.contiguous()
+        return x.detach().contiguous()
 
-    def gather(self, host: Tensor, idx: Tensor) -> Tensor:
-        return host[idx.cpu()]
+    def mark(self) -> float:
+        """The time everything issued so far on the compute lane has finished."""
+        return self.t
 
-    def copy(self, x: Tensor, layer: int, what: str) -> tuple[Tensor, float]:
-        start = max(self.t, self.link_free)
-        self.link_free = start + self.tm.transfer(x.numel() * x.element_size())
-        self.spans.append(Span("transfer", layer, start, self.link_free, what))
-        return x.clone(), self.link_free
+    def gather(self, host: Tensor, idx: Tensor, layer: int, what: str, after: float) -> tuple[Tensor, float]:
+        """host[idx] into a staging buffer on the host lane, once `after` (the prediction) has finished."""
+        out = host[idx.cpu()]
+        start = max(after, self.host_free)
+        self.host_free = start + self.tm.gather(_nbytes(out))
+        self.spans.append(Span("host", layer, start, self.host_free, what, after))
+        return out, self.host_free
 
-    def wait(self, ready: float) -> None:
-        self.t = max(self.t, ready)
+    def copy(self, src: Tensor, dst: Tensor, layer: int, what: str, after: tuple = ()) -> float:
+        """src -> dst (preallocated) on the FIFO link, after every mark in `after` (src gathered, dst no longer
+        read; None: no constraint)."""
+        dst.copy_(src)
+        needs = max((a for a in after if a is not None), default=0.0)
+        start = max(needs, self.link_free)
+        self.link_free = start + self.tm.transfer(_nbytes(src))
+        self.spans.append(Span("transfer", layer, start, self.link_free, what, needs))
+        return self.link_free
+
+    def wait(self, ready: float | None) -> None:
+        if ready is not None:
+            self.t = max(self.t, ready)
 
     def compute(self, layer: int, nbytes: int, fn, what: str = "layer"):
         start, out = self.t, fn()
         self.t += self.tm.compute(nbytes)
-        self.spans.append(Span("compute", layer, start, self.t, what))
+        self.spans.append(Span("compute", layer, start, self.t, what, start))
         return out
 
-    def now(self) -> float:
-        return self.t
+    def since(self, mark: float, layer: int, nbytes: int, what: str) -> None:
+        """The work the model ran since `mark` (e.g. its attention, between two hooks) as one compute span."""
+        self.compute(layer, nbytes, lambda: None, what)
+
+    def elapsed(self, a: float, b: float) -> float:
+        return b - a
+
+    def spans_since(self, a: float) -> list[Span]:
+        return [s for s in self.spans if s.end > a]
 
 
 class CudaLink(SimLink):
-    """Real H2D copies from pinned host memory on a side stream; CUDA events time copies and compute."""
+    """Real H2D copies from pinned host memory on a side stream; CUDA events time copies and compute, the host
+    clock the gathers (aligned to the events at construction). One synchronisation per token (`elapsed`)."""
 
     def __init__(self, device: str = "cuda"):
         super().__init__(TimeModel())
         self.device, self.stream = device, torch.cuda.Stream(device)
+        torch.cuda.synchronize()
         self.t0 = torch.cuda.Event(enable_timing=True)
         self.t0.record()
+        torch.cuda.synchronize()
+        self.h0 = time.perf_counter()
         self._events: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event, str]] = []
-        self._ring: list[list] = [[None, None] for _ in range(8)]  # [pinned buffer, copy-done event]
+        self._host: list[Span] = []
+        self._ring: list[list] = [[None, None] for _ in range(32)]  # [pinned staging buffer, copy-done event]
         self._next, self._pending = 0, None
 
     def to_host(self, x: Tensor) -> Tensor:
         return x.detach().cpu().contiguous().pin_memory()
 
-    def gather(self, host: Tensor, idx: Tensor) -> Tensor:
-        """Gather rows into a pinned staging buffer (a ring, reused once its previous copy has finished)."""
-        n = len(idx)
+    def _event(self, stream=None) -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        return e
+
+    def mark(self) -> torch.cuda.Event:
+        return self._event()
+
+    def gather(self, host: Tensor, idx: Tensor, layer: int, what: str, after) -> tuple[Tensor, float]:
+        """Rows into a pinned staging buffer (a ring, reused once its previous copy has finished); waits for
+        `after` (the prediction that chose idx) only, not for the whole stream."""
+        if isinstance(after, torch.cuda.Event):
+            after.synchronize()
+        needs = time.perf_counter() - self.h0
+        idx = idx.to("cpu")
         slot = self._ring[self._next % len(self._ring)]
         self._next += 1
         if slot[1] is not None:
             slot[1].synchronize()
-        if slot[0] is None or slot[0].shape[0] < n or slot[0].shape[1:] != host.shape[1:]:
+        n = len(idx)
+        fits = slot[0] is not None and slot[0].shape[0] >= n and slot[0].shape[1:] == host.shape[1:]
+        if not fits or slot[0].dtype != host.dtype:
             slot[0] = torch.empty((max(n, 1),) + tuple(host.shape[1:]), dtype=host.dtype).pin_memory()
         out = slot[0][:n]
-        torch.index_select(host, 0, idx.cpu(), out=out)
+        start = time.perf_counter() - self.h0
+        torch.index_select(host, 0, idx, out=out)
+        end = time.perf_counter() - self.h0
+        self._host.append(Span("host", layer, start, end, what, needs))
         self._pending = slot
-        return out
+        return out, None
 
-    def _span(self, lane, layer, what):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self._events.append((lane, layer, a, b, what))
-        return a, b
-
-    def copy(self, x: Tensor, layer: int, what: str) -> tuple[Tensor, torch.cuda.Event]:
-        a, b = self._span("transfer", layer, what)
-        self.stream.wait_stream(torch.cuda.current_stream())
+    def copy(self, src: Tensor, dst: Tensor, layer: int, what: str, after: tuple = ()) -> torch.cuda.Event:
+        for a in after:  # events: dst no longer read, the routing done (gathers already ran on this thread)
+            if isinstance(a, torch.cuda.Event):
+                self.stream.wait_event(a)
         with torch.cuda.stream(self.stream):
-            a.record()
-            y = x.to(self.device, non_blocking=True)
-            b.record()
-        if self._pending is not None and x.data_ptr() == self._pending[0].data_ptr():
+            a = self._event(self.stream)
+            dst.copy_(src, non_blocking=True)
+            b = self._event(self.stream)
+        self._events.append(("transfer", layer, a, b, what))
+        if self._pending is not None and src.data_ptr() == self._pending[0].data_ptr():
             self._pending[1], self._pending = b, None
-        y.record_stream(torch.cuda.current_stream())
-        return y, b
+        return b
 
     def wait(self, ready) -> None:
-        torch.cuda.current_stream().wait_event(ready)
+        if isinstance(ready, torch.cuda.Event):
+            torch.cuda.current_stream().wait_event(ready)
 
     def compute(self, layer: int, nbytes: int, fn, what: str = "layer"):
-        a, b = self._span("compute", layer, what)
-        a.record()
+        a = self._event()
         out = fn()
-        b.record()
+        self._events.append(("compute", layer, a, self._event(), what))
         return out
 
-    def now(self) -> float:
+    def since(self, mark, layer: int, nbytes: int, what: str) -> None:
+        self._events.append(("compute", layer, mark, self._event(), what))
+
+    def elapsed(self, a, b) -> float:
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+
+    @property
+    def spans(self) -> list[Span]:
         torch.cuda.synchronize()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        torch.cuda.synchronize()
-        self.spans = [Span(l, i, self.t0.elapsed_time(a) / 1e3, self.t0.elapsed_time(b) / 1e3, w)
-                      for l, i, a, b, w in self._events]
-        return self.t0.elapsed_time(e) / 1e3
+        at = lambda e: self.t0.elapsed_time(e) / 1e3
+        return [Span(lane, i, at(a), at(b), w, at(a)) for lane, i, a, b, w in self._events] + self._host
+
+    @spans.setter
+    def spans(self, value) -> None:  # SimLink.__init__ assigns []
+        pass
+
+    def spans_since(self, a) -> list[Span]:
+        t = self.t0.elapsed_time(a) / 1e3 if a is not None else 0.0
+        return [s for s in self.spans if s.end > t]
 
 
 def h2d_bandwidth(H: int = 4096, n_rows: tuple[int, ...] = (1, 10, 50, 200, 1000), device: str = "cuda",
@@ -181,3 +252,17 @@ def h2d_bandwidth(H: int = 4096, n_rows: tuple[int, ...] = (1, 10, 50, 200, 1000
 
         out["per_row"][n] = nbytes / timed(rows) / 1e9
     return out
+
+
+def gather_bandwidth(H: int = 4096, F: int = 14336, keep: float = 0.2, reps: int = 5, seed: int = 0) -> float:
+    """Host GB/s of one thread gathering keep·F random (2, H) FP16 rows of an (F, 2, H) store into a staging
+    buffer (`torch.index_select`, what both links run): the measured counterpart of `TimeModel.host`."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randn(F, 2, H, generator=g).half()
+    idx = torch.randperm(F, generator=g)[: max(1, round(keep * F))].sort().values
+    out = torch.empty(len(idx), 2, H, dtype=torch.float16)
+    torch.index_select(src, 0, idx, out=out)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.index_select(src, 0, idx, out=out)
+    return _nbytes(out) * reps / (time.perf_counter() - t0) / 1e9

@@ -1,46 +1,82 @@
-"""An expert-offload engine for decoding MoE models: host-resident experts, a device cache, byte accounting.
+"""An expert-offload engine for decoding MoE models: the engine owns expert storage, a device tier and a host tier.
 
-Policies (FloE Sec. 3.4 and the baselines it compares with, per decoded token and MoE layer):
+Policies (per decoded token and offloaded MoE layer; the forms are `lab.moe.offload_store`'s):
 
-- `fp16`:  every routed expert is copied whole in FP16 on demand (DeepSpeed/accelerate-style, no cache);
-- `int2`:  every routed expert is copied whole as HQQ INT2 codes + FP16 scale/zero (Mixtral-offloading's
-           2-bit experts, no cache);
-- `lru-fp16`, `lru-int2`: whole FP16 / INT2 experts with a per-layer LRU cache of `cache_k` experts
-           (Mixtral-offloading's ExpertCache, which holds 2-bit experts); misses are copied synchronously;
-- `floe`:  all experts' INT2 W_up stay on the device; at layer i the next layer's experts are predicted
-           with router_{i+1}(x_i), their neurons with top-|x_i W_up^{i+1,e}| (`keep`·F rows), and the rows of
-           W_gate and W_downᵀ (co-located, (n, 2, H) FP16 — the compact layout of Sec. 3.4.2) are copied
-           ahead on the side stream; a misrouted expert is reloaded synchronously with its mask from the true
-           x. The kept activations are recomputed with the true input (as the engine of the co-authors'
-           zju-stu-lizheng/On-the-Fly_MoE does). As there, layer i+1's prefetch is issued before layer i's
-           misrouted experts are reloaded, so on one FIFO copy engine a reload waits behind the prefetch
-           (visible in the timeline).
+- `fp16`:  every routed expert copied whole (`fp` form) on demand into a staging slot (accelerate-style, no cache);
+- `int2`:  the same with HQQ INT2 experts (`int2` form, group 64, FP16 scale/zero);
+- `lru-fp16`, `lru-int2`: `cache_k` device slots per layer holding whole `fp` / `int2` experts, least recently used
+           evicted; a miss is copied into the victim's slot and waited for before the expert runs;
+- `mixtral`: Mixtral-offloading (Eliseev & Mazur 2023, dvmazur/mixtral-offloading `src/expert_cache.py`): `mo`
+           experts (group-16 HQQ 2-bit, quantized scale/zero, one contiguous block each), an LRU group of `cache_k`
+           slots per layer that starts with the layer's last `cache_k` experts (their `offload_per_layer`), a shared
+           pool of `n_buffers` device buffers (theirs: 4): a miss is copied into a free buffer, which takes the
+           evicted slot's place; experts already on the device are computed first while the misses load
+           (`load_experts(unordered=True)`), and the next layer's experts are guessed by applying its router to this
+           layer's MoE input and loaded ahead (the technical report's speculative loading; not in the repository);
+- `stream`: DeepSpeed ZeRO-3-style streaming: each offloaded layer's whole MoE block (all E `fp` experts, one
+           copy here) is fetched when the layer runs, no cache (the FloE authors' DeepSpeed-MII baseline sets the
+           MoE block as a ZeRO-3 leaf module; ZeRO's parameter prefetch is not modelled);
+- `floe`:  all experts' INT2 W_up (`up` form) stay on the device; at layer i, once its attention output x_i exists,
+           the next layer's experts are predicted with router_{i+1}(x_i) and their neurons with top-|x_i W_up^{i+1,e}|
+           (`keep`·F rows); those rows of W_gate and W_downᵀ (`rows` form) are gathered on the host and copied into one
+           of two device buffers (FloE Sec. 3.4), in `chunks` pieces so that gathering one piece overlaps copying
+           the previous (FloE's pipelined packing, Sec. 3.4.2). A mispredicted expert is reloaded with its mask
+           from the true x.
+           The kept activations are recomputed with the true input, and layer i+1's prefetch is issued before layer
+           i's reloads (as the co-authors' engine zju-stu-lizheng/On-the-Fly_MoE does), after layer i's correctly
+           prefetched experts are queued.
 
-`predictor="random"` replaces both predictors by random ones (FloE's `random_predictor` control): the
-prefetched experts are a random top-k and every kept-neuron set a random `keep`·F rows (seeded).
+`predictor="random"` replaces FloE's predictors by random experts and random `keep`·F neurons (seeded).
 
-Layers in `resident` keep their experts dense on the device (FloE's GPU-resident layers). Each token is
-decoded one at a time with the model's KV cache (prefill is decoded token by token too). The copies and
-the clock are the link's (`lab.moe.links`: `SimLink` models time on CPU, `CudaLink` measures it).
+Residency: during `run` the model's own fused expert parameters of every managed layer (all layers but layer 0 when
+it is resident) are released: their data is emptied (the device storage freed, the values kept in host memory) and
+the modules show `meta` parameters of the same shapes; both are restored when `run` returns. Offloaded experts
+live only in the host tier (pinned on CUDA, `link.to_host`); the device tier `dev` holds exactly what the policy
+keeps there: INT2 W_up and FloE's two buffers, cache slots and buffers, staging slots, and resident layers (`fp`
+form). Layer 0, when resident, runs on the model's own weights for every policy and is not counted.
+`Stats.resident_bytes` is the sum of the bytes of the tensors in `dev`. Everything is computed in the model's dtype
+(FP32, FP16 or BF16): held forms are decoded to it (INT2 dequantized in FP32, as the kernels accumulate).
+The attention of each layer is timed by hooks around the model's own attention; time and copies are the link's
+(`lab.moe.links`). The policies' layer logic is `lab.moe.offload_policies`. On CPU (the simulator) the forms built
+from a model are memoised per experts module and weights version, as a notebook builds an engine per policy,
+bandwidth and budget.
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict
+import contextlib
+import weakref
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F_
 from torch import Tensor, nn
 
-from lab.compress.quant import QTensor, quantize
 from lab.models import hooks
-from lab.moe.blocks import expert, moe_blocks, route, weights
+from lab.moe import offload_store as st
+from lab.moe.blocks import moe_blocks, weights
 from lab.moe.links import SimLink
 
-POLICIES = ("fp16", "int2", "lru-fp16", "lru-int2", "floe")
+POLICIES = ("fp16", "int2", "lru-fp16", "lru-int2", "mixtral", "stream", "floe")
 PREDICTORS = ("router", "random")  # FloE's next-layer predictors, or random ones (a control)
+FORMS = {"fp16": "fp", "lru-fp16": "fp", "int2": "int2", "lru-int2": "int2", "mixtral": "mo", "stream": "fp",
+         "floe": "rows"}
+
+
+_FORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # experts module -> (weights signature, forms)
+
+
+def _memo(ex: nn.Module, key: tuple, make):
+    """On CPU (the simulator), an expert's form built once per experts module and weights version, shared by the
+    engines a notebook builds for every policy, bandwidth and budget (read-only: they only copy from it)."""
+    p, d = ex.gate_up_proj, ex.down_proj
+    sig = (p.data_ptr(), p._version, d.data_ptr(), d._version)
+    store = _FORMS.get(ex)
+    if store is None or store[0] != sig:
+        store = _FORMS[ex] = (sig, {})
+    if key not in store[1]:
+        store[1][key] = make()
+    return store[1][key]
 
 
 @dataclass
@@ -48,8 +84,22 @@ class Stats:
     bytes: list[int] = field(default_factory=list)  # per token, host->device
     seconds: list[float] = field(default_factory=list)  # per token (modelled on SimLink, measured on CUDA)
     calls: int = 0  # expert calls on offloaded layers
-    misses: int = 0  # lru: cache misses; floe: experts not prefetched (synchronous reloads)
-    resident_bytes: int = 0  # expert bytes the policy holds on the device (layer 0, resident for all, not counted)
+    misses: int = 0  # lru, mixtral: experts not on the device when routed; floe: experts not prefetched
+    resident_bytes: int = 0  # bytes of every tensor the engine holds on the device (layer 0, when resident, aside)
+    model_bytes: int = 0  # bytes of the model's own parameters left on the device while its experts are released
+    max_memory: int = 0  # CUDA: torch.cuda.max_memory_allocated during the decode (weights, KV cache, activations)
+
+
+def form_of(policy: str, W: tuple[Tensor, Tensor, Tensor], wd: torch.dtype, group_size: int) -> st.Form:
+    """One expert (W_gate, W_up, W_down) in the form `policy` moves it in."""
+    kind = FORMS[policy]
+    if kind == "fp":
+        return st.fp_form(*W, wd)
+    if kind == "int2":
+        return st.int2_form(*W, group_size)
+    if kind == "mo":
+        return st.mo_form(*W)
+    return st.rows_form(W[0], W[2], wd)
 
 
 class OffloadEngine:
@@ -57,189 +107,192 @@ class OffloadEngine:
 
     def __init__(self, model: nn.Module, policy: str, link: SimLink, *, keep: float = 0.2, cache_k: int = 2,
                  resident: tuple[int, ...] = (0,), group_size: int = 64, device: str = "cpu",
-                 predictor: str = "router", seed: int = 0):
+                 predictor: str = "router", seed: int = 0, n_buffers: int = 4, chunks: int = 4,
+                 kernels: bool | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is unknown; use one of {', '.join(POLICIES)}.")
         if predictor not in PREDICTORS:
             raise ValueError(f"predictor={predictor!r} is unknown; use one of {', '.join(PREDICTORS)}.")
         self.random = torch.Generator().manual_seed(seed) if predictor == "random" else None
-        self.model, self.policy, self.link, self.device = model, policy, link, device
+        self.model, self.policy, self.link, self.device, self.gs = model, policy, link, device, group_size
         self.blocks = moe_blocks(model)
         self.L, (self.E, self.H, self.F) = len(self.blocks), self.blocks[0].experts.down_proj.shape
-        self.n_keep, self.cache_k, self.resident = max(1, round(keep * self.F)), cache_k, set(resident)
+        self.top_k, self.dtype = self.blocks[0].gate.top_k, self.blocks[0].experts.down_proj.dtype
+        self.wd = st.weight_dtype(self.dtype)
+        if policy == "mixtral" and (cache_k < 1 or n_buffers < 2 * self.top_k):
+            raise ValueError(f"mixtral needs cache_k ≥ 1 and n_buffers ≥ 2·top_k = {2 * self.top_k}; got "
+                             f"cache_k={cache_k}, n_buffers={n_buffers}.")
+        self.n_keep, self.cache_k, self.resident = max(1, round(keep * self.F)), min(cache_k, self.E), set(resident)
+        self.kernels = str(device).startswith("cuda") if kernels is None else kernels  # Triton on CUDA
+        self.managed = [l for l in range(self.L) if not (l == 0 and 0 in self.resident)]
         self.offloaded = [l for l in range(self.L) if l not in self.resident]
-        self.host: dict[tuple[int, int], dict[str, Tensor]] = {}  # what lives in host memory
-        self.up: dict[tuple[int, int], Tensor] = {}  # floe: device-resident INT2 W_up (dequantized for compute)
-        self.stats = Stats()
-        attn = model.model.layers[0].self_attn
+        self.host: dict = {}  # the host tier: (l, e) -> form (stream: (l, None) -> the layer's block)
+        self.dev: dict[str, st.Form] = {}  # the device tier: place -> form
+        self.stats, self.n_buffers, self.chunks = Stats(), n_buffers, chunks
+        self.free: dict[str, object] = {}  # place -> mark after the last compute that read it
+        self.ready: dict[str, object] = {}  # place -> when its last copy lands
+        self.last_token = None
+        attn = hooks.layers(model)[0].self_attn
         self.attn_bytes = 2 * sum(p.numel() for p in attn.parameters())  # fp16 attention weights read per token
-        for l in self.offloaded:
-            for e in range(self.E):
-                self._store(l, e, *weights(self.blocks[l], e), group_size)
-        self.cache = {l: OrderedDict() for l in self.offloaded}  # lru: e -> device weights
-        self.stats.resident_bytes = (len(self.resident - {0}) * self.E * 3 * self.H * self.F * 2  # FP16 layers
-                                     + self.stats.resident_bytes)
-        if policy.startswith("lru") and self.offloaded:
-            self.stats.resident_bytes += cache_k * len(self.offloaded) * self.expert_bytes()
-        elif policy == "floe":
-            self.stats.resident_bytes += 2 * self.blocks[0].gate.top_k * self.n_keep * 2 * self.H * 2  # 2 buffers
-        self.prefetched: dict[int, dict[int, tuple[Tensor, Tensor, object]]] = {}  # floe: l -> e -> (idx, rows, ready)
+        self._build()
+        self.stats.resident_bytes = st.nbytes(self.dev)
 
-    # --- host store ----------------------------------------------------------------------------
-    def _store(self, l: int, e: int, Wg: Tensor, Wu: Tensor, Wd: Tensor, gs: int) -> None:
-        h = self.link.to_host
-        if self.policy in ("fp16", "lru-fp16"):
-            self.host[l, e] = {"w": h(torch.stack([Wg, Wu, Wd.T]).detach().half())}  # (3, F, H)
-        elif self.policy in ("int2", "lru-int2"):
-            qs = [quantize(W.detach(), 2, gs) for W in (Wg, Wu, Wd.T)]
-            self.host[l, e] = {f"{n}{i}": h(t) for i, q in enumerate(qs)
-                               for n, t in (("q", q.packed), ("s", q.scale.half()), ("z", q.zero.half()))}
-            self.host[l, e]["meta"] = (gs,)
-        else:  # floe: compact rows [gate row j, down column j] in host memory, INT2 W_up on the device
-            self.host[l, e] = {"rows": h(torch.stack([Wg, Wd.T], 1).detach().half())}  # (F, 2, H)
-            qu = quantize(Wu.detach(), 2, gs)
-            self.up[l, e] = qu.dequantize().to(self.device)
-            self.stats.resident_bytes += qu.nbytes()
+    # --- the two tiers --------------------------------------------------------------------------
+    def _to_dev(self, form: st.Form) -> st.Form:
+        return st.to(form, lambda t: t.to(self.device))
+
+    def _form(self, l: int, key: tuple, fn, *args):
+        if torch.device(self.device).type != "cpu":
+            return fn(*args)
+        return _memo(self.blocks[l].experts, key, lambda: fn(*args))
+
+    def _build(self) -> None:
+        h, pol, wd, gs = self.link.to_host, self.policy, self.wd, self.gs
+        for l in self.managed:
+            W = [weights(self.blocks[l], e) for e in range(self.E)]
+            if l in self.resident:
+                for e in range(self.E):
+                    self.dev[f"layer {l}.{e}"] = self._to_dev(self._form(l, ("fp", wd, e), st.fp_form, *W[e], wd))
+                continue
+            if pol == "stream":
+                fp = [self._form(l, ("fp", wd, e), st.fp_form, *W[e], wd)["w"] for e in range(self.E)]
+                self.host[l, None] = {"w": h(torch.stack(fp))}
+                continue
+            for e in range(self.E):
+                self.host[l, e] = st.to(self._form(l, (FORMS[pol], wd, gs, e), form_of, pol, W[e], wd, gs), h)
+                if pol == "floe":
+                    self.dev[f"up {l}.{e}"] = self._to_dev(self._form(l, ("up", gs, e), st.up_form, W[e][1], gs))
+        if not self.offloaded:
+            return
+        l0 = self.offloaded[0]
+        sample = self.host[l0, None] if pol == "stream" else self.host[l0, 0]
+        if pol == "floe":
+            for b in range(2):
+                self.dev[f"rows {b}"] = st.rows_buffer(self.top_k, self.n_keep, self.H, self.wd, self.device)
+            self.slots: dict[int, dict[int, int]] = {}  # layer -> expert -> slot of its buffer
+        elif pol == "stream":
+            self.dev["stage"] = st.empty_like(sample, self.device)
+        elif pol == "mixtral" or (pol.startswith("lru") and self.cache_k):
+            self.cache = {l: OrderedDict() for l in self.offloaded}  # e -> place, least recently used first
+            for l in self.offloaded:
+                for i in range(self.cache_k):
+                    e = self.E - self.cache_k + i
+                    place = self.dev[f"cache {l}.{i}"] = self._place(f"cache {l}.{i}", sample)
+                    if pol == "mixtral":  # their cache starts with the experts not offloaded
+                        for k, t in place.items():
+                            t.copy_(self.host[l, e][k])
+                        self.cache[l][e] = f"cache {l}.{i}"
+            self.pool = deque(f"buffer {i}" for i in range(self.n_buffers if pol == "mixtral" else 0))
+            for name in self.pool:
+                self._place(name, sample)
+        else:  # on demand (and an LRU without a cache): one staging slot per routed expert
+            for i in range(self.top_k):
+                self._place(f"stage {i}", sample)
+
+    def _place(self, name: str, sample: st.Form) -> st.Form:
+        self.dev[name] = st.empty_like(sample, self.device)
+        return self.dev[name]
 
     def expert_bytes(self) -> int:
-        """Bytes one whole offloaded expert occupies in transfer form (fp16, int2 and lru policies)."""
-        store = self.host[self.offloaded[0], 0]
-        return sum(t.numel() * t.element_size() for k, t in store.items() if k != "meta")
+        """Bytes of one offloaded expert in the form its policy moves (stream: one whole layer)."""
+        l0 = self.offloaded[0]
+        return st.nbytes(self.host[l0, None] if self.policy == "stream" else self.host[l0, 0])
 
-    # --- fetching -------------------------------------------------------------------------------
-    def _fetch_whole(self, l: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
-        store, got, ready = self.host[l, e], {}, None
-        for k, t in store.items():
-            if k != "meta":
-                got[k], ready = self.link.copy(t, l, f"expert {e}")
-                self.stats.bytes[-1] += t.numel() * t.element_size()
-        self.link.wait(ready)
-        if "w" in got:
-            return tuple(got["w"].float())
-        gs, F, H = store["meta"][0], self.F, self.H
-        out = []
-        for i in range(3):
-            q = QTensor(got[f"q{i}"], got[f"s{i}"].float(), got[f"z{i}"].float(), 2, gs, (F, H))
-            out.append(q.dequantize())
-        return tuple(out)
+    def copy(self, src: st.Form, place: str, l: int, what: str, after: tuple = ()) -> object:
+        """Copy a form into a device place once `after` and the place's last reader are done; count its bytes."""
+        ready = None
+        for k, t in src.items():
+            ready = self.link.copy(t, self.dev[place][k], l, what, (*after, self.free.get(place)))
+            self.stats.bytes[-1] += st.nbytes(t)
+        self.ready[place] = ready
+        return ready
 
-    def _whole(self, l: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
-        if not self.policy.startswith("lru"):
-            return self._fetch_whole(l, e)
-        cache = self.cache[l]
-        if e in cache:
-            cache.move_to_end(e)
-        else:
-            self.stats.misses += 1
-            if self.cache_k == 0:
-                return self._fetch_whole(l, e)
-            if len(cache) >= self.cache_k:
-                cache.popitem(last=False)
-            cache[e] = self._fetch_whole(l, e)
-        return cache[e]
+    # --- residency ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def released(self):
+        """The model's fused expert parameters of the managed layers released: each Parameter's data is emptied
+        (its device storage freed; the values kept in host memory) and the module shows a `meta` parameter of the
+        same shape in its place; both come back on exit."""
+        saved = []
+        try:
+            for l in self.managed:
+                ex = self.blocks[l].experts
+                for name in ("gate_up_proj", "down_proj"):
+                    p = getattr(ex, name)
+                    saved.append((ex, name, p, p.data.to("cpu"), p.device))
+                    meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    setattr(ex, name, meta)
+            yield
+        finally:
+            for ex, name, p, data, device in reversed(saved):
+                p.data = data.to(device)
+                setattr(ex, name, p)
 
-    def _prefetch(self, l: int, x: Tensor) -> None:
-        """FloE: predict layer l's experts and neurons from the current x (1, H); copy their rows ahead."""
-        logits, _, _ = route(self.blocks[l], x)
-        if self.random is not None:  # control: random experts
-            logits = torch.rand(logits.shape, generator=self.random).to(logits.device)
-        self.prefetched[l] = {}
-        for e in logits.topk(self.blocks[l].gate.top_k, -1).indices[0].tolist():
-            self.prefetched[l][e] = self._rows(l, e, x)
-
-    def _rows(self, l: int, e: int, x: Tensor):
-        if self.random is None:
-            score = (x @ self.up[l, e].T).abs()[0]
-        else:  # control: random neurons
-            score = torch.rand(self.F, generator=self.random).to(x.device)
-        idx = score.topk(self.n_keep).indices.sort().values  # (n_keep,) intra-expert
-        rows = self.link.gather(self.host[l, e]["rows"], idx)  # (n_keep, 2, H), one contiguous chunk
-        dev, ready = self.link.copy(rows, l, f"rows {e}")
-        self.stats.bytes[-1] += rows.numel() * rows.element_size()
-        return idx, dev, ready
-
-    # --- the expert layer -----------------------------------------------------------------------
-    def _layer(self, l: int, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        """Layer l's experts for one token x (1, H), routed by the model's own router."""
-        if self.policy == "floe" and l + 1 < self.L and (l + 1) not in self.resident:
-            self._prefetch(l + 1, x)  # issued before this layer computes: the copy overlaps it
-        self.link.compute(l, self.attn_bytes, lambda: None, "attention")
-        if l in self.resident:
-            W = [weights(self.blocks[l], e) for e in top_k_index[0].tolist()]
-            nbytes = 2 * sum(w.numel() for ws in W for w in ws)
-            return self.link.compute(l, nbytes, lambda: sum(expert(x, *w) * top_k_weights[0, s]
-                                                            for s, w in enumerate(W)), "dense")
-        experts = top_k_index[0].tolist()
-        y = torch.zeros_like(x)
-        for slot, e in enumerate(experts):
-            self.stats.calls += 1
-            if self.policy == "floe":
-                got = self.prefetched.get(l, {}).get(e)
-                if got is None:  # mispredicted expert (or first offloaded layer): synchronous reload
-                    self.stats.misses += 1
-                    got = self._rows(l, e, x)
-                idx, rows, ready = got
-                self.link.wait(ready)
-                nbytes = rows.numel() * rows.element_size() + self.F * self.H // 4  # kept rows + INT2 W_up
-                out = self.link.compute(l, nbytes, lambda r=rows, u=self.up[l, e][idx]: _sparse_expert(x, r, u),
-                                        f"expert {e}")
-            else:
-                Wg, Wu, Wd_t = self._whole(l, e)
-                nbytes = self.expert_bytes()
-                out = self.link.compute(l, nbytes, lambda g=Wg, u=Wu, d=Wd_t: expert(x, g, u, d.T), f"expert {e}")
-            y += out * top_k_weights[0, slot]
-        self.prefetched.pop(l, None)
-        return y
+    @contextlib.contextmanager
+    def _timed_attention(self):
+        """Each layer's attention as one compute span, around the model's own attention module."""
+        handles, start = [], {}
+        for l, layer in enumerate(hooks.layers(self.model)):
+            handles.append(layer.self_attn.register_forward_pre_hook(
+                lambda m, a, l=l: start.__setitem__(l, self.link.mark())))
+            handles.append(layer.self_attn.register_forward_hook(
+                lambda m, a, out, l=l: self.link.since(start[l], l, self.attn_bytes, "attention")))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     @torch.no_grad()
     def run(self, input_ids: Tensor) -> tuple[Tensor, Stats]:
         """Decode input_ids (1, T) one token at a time; return the logits (T, V) and the statistics."""
-        served = {hooks.name_of(self.model, b.experts): _Served(self, l, b.experts) for l, b in enumerate(self.blocks)}
-        with hooks.swap(self.model, served):
+        from lab.moe.offload_policies import Served
+
+        cuda = torch.device(self.device).type == "cuda"
+        with self.released(), hooks.swap(self.model, {hooks.name_of(self.model, b.experts): Served(self, l, b.experts)
+                                                     for l, b in enumerate(self.blocks)}), self._timed_attention():
+            self.stats.model_bytes = sum(st.nbytes(p) for p in self.model.parameters() if p.device.type != "meta")
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             past, logits = None, []
             for t in range(input_ids.shape[1]):
                 self.stats.bytes.append(0)
-                t0 = self.link.now()
+                a = self.link.mark()
                 out = self.model(input_ids=input_ids[:, t:t + 1], cache=past, use_cache=True)
                 past = out.cache
                 logits.append(out.logits[0, -1])
-                self.stats.seconds.append(self.link.now() - t0)
+                self.stats.seconds.append(self.link.elapsed(a, self.link.mark()))
+                self.last_token = a
+            if cuda:
+                self.stats.max_memory = torch.cuda.max_memory_allocated()
         return torch.stack(logits), self.stats
 
 
-def plan(model: nn.Module, budget: int, keep: float = 0.2, group_size: int = 64) -> dict[str, dict | None]:
-    """Engine arguments for each cached policy under one device budget for experts (bytes beyond layer 0):
-    the LRU caches hold k = budget // (offloaded layers · expert bytes) whole experts per layer (at most E);
-    FloE needs every offloaded expert's INT2 W_up plus its double buffer, and spends what is left on whole
-    FP16 layers kept resident from layer 1 up (FloE's GPU-resident layers). None: the policy does not fit."""
+def plan(model: nn.Module, budget: int, keep: float = 0.2, group_size: int = 64,
+         n_buffers: int = 4) -> dict[str, dict | None]:
+    """Engine arguments for each cached policy under one device budget for experts (bytes beyond layer 0), from the
+    bytes of the forms the engine would hold (built for one expert): LRU caches of k whole experts per offloaded
+    layer (at most E; k = 0 holds top_k staging slots), Mixtral-offloading's k slots per layer plus its buffers,
+    FloE's INT2 W_up of every offloaded expert and its two buffers, with what is left spent on whole layers kept
+    resident from layer 1 up (FloE's GPU-resident layers). None: the policy does not fit."""
     blocks = moe_blocks(model)
     L, (E, H, F), top_k = len(blocks), blocks[0].experts.down_proj.shape, blocks[0].gate.top_k
-    int2_matrix = F * math.ceil(H / 4) + 2 * 2 * F * math.ceil(H / group_size)  # codes + fp16 scale and zero
-    fp16_layer = E * 3 * H * F * 2
-    n_keep = max(1, round(keep * F))
+    wd = st.weight_dtype(blocks[0].experts.down_proj.dtype)
+    W = tuple(w.detach() for w in weights(blocks[-1], 0))
+    size = {p: st.nbytes(form_of(p, W, wd, group_size)) for p in ("lru-fp16", "lru-int2", "mixtral")}
     out = {}
-    for policy, whole in (("lru-fp16", 3 * H * F * 2), ("lru-int2", 3 * int2_matrix)):
-        out[policy] = {"cache_k": int(min(E, budget // ((L - 1) * whole)))}
+    for policy in ("lru-fp16", "lru-int2"):
+        k = int(min(E, budget // ((L - 1) * size[policy])))
+        out[policy] = {"cache_k": k} if k or top_k * size[policy] <= budget else None
+    k = int(min(E, (budget - n_buffers * size["mixtral"]) // ((L - 1) * size["mixtral"])))
+    out["mixtral"] = {"cache_k": k, "n_buffers": n_buffers} if k >= 1 else None
+    up, fp_layer = st.nbytes(st.up_form(W[1], group_size)), E * st.nbytes(st.fp_form(*W, wd))
+    bufs = 2 * st.nbytes(st.rows_buffer(top_k, max(1, round(keep * F)), H, wd, "meta"))
     out["floe"] = None
     for r in range(L):  # layers 0..r resident
         off = L - 1 - r
-        cost = r * fp16_layer + off * E * int2_matrix + (2 * top_k * n_keep * 2 * H * 2 if off else 0)
-        if cost <= budget:
+        if r * fp_layer + off * E * up + (bufs if off else 0) <= budget:
             out["floe"] = {"keep": keep, "resident": tuple(range(r + 1))}
     return out
-
-
-def _sparse_expert(x: Tensor, rows: Tensor, Wu_kept: Tensor) -> Tensor:
-    """FloE expert on the kept neurons: rows (n, 2, H) = [gate row, down column], Wu_kept (n, H)."""
-    a_up = x @ Wu_kept.T  # (1, n) recomputed with the true input
-    return (F_.silu(x @ rows[:, 0].float().T) * a_up) @ rows[:, 1].float()
-
-
-class _Served(nn.Module):
-    def __init__(self, engine: OffloadEngine, l: int, orig: nn.Module):
-        super().__init__()
-        self.engine, self.l = engine, l
-        self.gate_up_proj, self.down_proj = orig.gate_up_proj, orig.down_proj
-
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return self.engine._layer(self.l, hidden_states, top_k_index, top_k_weights)

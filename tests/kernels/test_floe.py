@@ -231,7 +231,57 @@ class TestCuda:
         assert torch.equal(kf.gather_rows(Wg, Wd_t, idx), kf.gather_rows_ref(Wg, Wd_t, idx))
 
     def test_bench(self):
-        r = kf.bench()
+        from kernels.floe_bench import bench
+
+        r = bench()
         print(r)
         assert r["sparse"][0.1]["ms"] < 2 * r["dense_ms"]
         assert all(v > 0 for v in (r["dense_ms"], r["int2_ms"], r["int2_ref_ms"]))
+
+
+# ------------------------------------------------------------------ the decode path: kept rows, strided, in-dtype
+
+
+def test_int2_gemv_on_kept_rows_with_fp16_meta():
+    q, pk, scale, zero = int2_weight(FF, K, 16, seed=3)
+    x, idx = rand(K, seed=4), torch.tensor([0, 5, 7, FF - 1, 64])
+    y = kf.int2_gemv(x, pk, scale.half(), zero.half(), 16, K, rows=idx)
+    ref = kf.int2_gemv_ref(x, pk[idx], scale.half()[idx], zero.half()[idx], 16, K)
+    assert y.shape == (5,) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, **TOL)
+    assert kf.int2_gemv(x, pk, scale, zero, 16, K, rows=idx[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_expert_reads_the_compact_buffer_in_place(dtype):
+    """FloE's double buffer (2, top_k, n, 2, H): slot (1, 0) is a strided view; the kernels read it in place and
+    return the model's dtype, equal to the torch reference."""
+    n = 9
+    buf = rand(2, 2, n, 2, H, seed=5).to(dtype) / math.sqrt(H)
+    rows = buf[1, 0]
+    _, pk, scale, zero = int2_weight(FF, H, 16, seed=6)
+    x, idx = rand(H, seed=7).to(dtype), torch.randperm(FF, generator=torch.Generator().manual_seed(8))[:n].sort().values
+    y = kf.sparse_expert(x, rows, pk, scale.half(), zero.half(), idx, 16)
+    ref = kf.sparse_expert_ref(x, rows, pk, scale.half(), zero.half(), idx, 16)
+    assert y.dtype == dtype and y.shape == (H,)
+    tol = TOL if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+
+
+def test_engine_decodes_the_same_with_the_kernels():
+    """The offload engine's FloE path with the Triton kernels (interpreter) and with the torch reference, on the
+    same model and tokens: the same logits, bytes and misses."""
+    from lab.models.zoo import tiny_mixtral
+    from lab.moe.links import SimLink, TimeModel
+    from lab.moe.offload import OffloadEngine
+
+    torch.manual_seed(0)
+    model = tiny_mixtral(vocab_size=40, d_model=32, n_layers=3, n_heads=4, d_ff=48, n_experts=4).eval()
+    seq = torch.randint(40, (1, 3), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for kernels in (False, True):
+        eng = OffloadEngine(model, "floe", SimLink(TimeModel()), keep=0.25, group_size=16, kernels=kernels)
+        out[kernels] = eng.run(seq)
+    (ref, s_ref), (got, s_got) = out[False], out[True]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert s_got.bytes == s_ref.bytes and s_got.misses == s_ref.misses and s_got.seconds == s_ref.seconds

@@ -1,12 +1,16 @@
 """FloE pieces against references: Eq. 5/6, the FloE expert's two forms, quantization, predictors, controls."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from lab.compress.quant import quantize
 from lab.models.zoo import tiny_mixtral
 from lab.moe import blocks
 from lab.moe import floe as fl
+from lab.moe import floe_predictors as fpred
 from lab.moe.links import SimLink, TimeModel
 from lab.moe.offload import OffloadEngine
 
@@ -48,6 +52,56 @@ def test_thresholds_per_expert_reach_the_target_sparsity(model, xs):
     assert many.shape == (2, 3, 4) and (many[1] >= many[0]).all()
     pooled = fl.thresholds(model, xs, 0.8, "up", per_expert=False)
     assert (pooled == pooled[:, :1]).all()
+
+
+def test_floe_thresholds_are_eq6_on_the_int2_up(model, xs):
+    """FloE's thresholds are Eq. 6 on |x W_up| with the INT2 W_up its mask thresholds (a naive quantile over a
+    token-by-token loop); the mask then keeps 1 − k of the up neurons on those tokens, where thresholds calibrated
+    on the full-precision W_up keep more (the INT2 a_up is noisier); the controls pick the other calibrations."""
+    k = 0.8
+    t = fl.floe_thresholds(model, xs, k, group_size=16)
+    for l, (mlp, x) in enumerate(zip(blocks.moe_blocks(model), xs)):
+        _, _, idx = blocks.route(mlp, x)
+        for e in range(4):
+            Wu = quantize(blocks.weights(mlp, e)[1].detach(), 2, 16).dequantize()  # (48, 32) INT2 W_up
+            mags = sorted(abs(float(x[i] @ Wu[j])) for i in range(len(x)) if e in idx[i].tolist()
+                          for j in range(len(Wu)))
+            assert float(t[l, e]) == pytest.approx(mags[math.ceil(k * len(mags)) - 1], rel=1e-5), (l, e)
+    experts = fl.floe_experts(model, t, group_size=16)
+    assert fl.kept_fraction(experts, model, xs) == pytest.approx(1 - k, abs=0.005)
+    t_fp = fl.thresholds(model, xs, k, "up")
+    assert fl.kept_fraction(experts, model, xs, t=t_fp) > 1 - k + 0.02
+    assert torch.equal(fl.floe_thresholds(model, xs, k, group_size=16, control="fp_thresholds"), t_fp)
+    assert torch.equal(fl.floe_thresholds(model, xs, k, control="gate_for_up"), fl.thresholds(model, xs, k, "gate"))
+
+
+@pytest.mark.parametrize("t, want", [(0.0, 1.0), (float("inf"), 0.0), (None, None)])
+def test_kept_fraction_is_the_per_token_share(model, xs, t, want):
+    """The kept fraction against a token-by-token loop over each token's routed experts (layers 1..), with the
+    experts' own thresholds and with other thresholds passed in."""
+    thr = fl.thresholds(model, xs, 0.7, "up") if t is None else torch.full((3, 4), t)
+    experts = fl.floe_experts(model, thr)
+    other = fl.thresholds(model, xs, 0.5, "up")
+
+    def naive(t_of, layers=(1, 2)):
+        kept = total = 0
+        for l, (mlp, x) in enumerate(zip(blocks.moe_blocks(model), xs)):
+            _, _, idx = blocks.route(mlp, x)
+            for i in range(len(x)) if l in layers else ():
+                for e in idx[i].tolist():
+                    m = (x[i:i + 1] @ experts[l, e].Wu.T).abs() >= t_of(l, e)
+                    kept, total = kept + m.sum().item(), total + m.numel()
+        return kept / total
+
+    own = lambda l, e: experts[l, e].t
+    got = fl.kept_fraction(experts, model, xs)
+    assert got == pytest.approx(naive(own), abs=1e-9)
+    assert fl.kept_fraction(experts, model, xs, t=other) == pytest.approx(naive(lambda l, e: other[l, e]), abs=1e-9)
+    assert fl.kept_fraction(experts, model, xs, layers=(2,)) == pytest.approx(naive(own, (2,)), abs=1e-9)
+    if want is not None:
+        assert got == want
+    else:
+        assert 0.3 < got < 0.45  # above the 30 % the full-precision thresholds were set for: the INT2 a_up is noisier
 
 
 def test_quant_fn_changes_only_its_matrix(model, xs, monkeypatch):
@@ -95,11 +149,11 @@ def test_floe_expert_gathered_equals_masked_dense(model, xs):
 
 
 def test_predictors_perfect_when_layers_agree(model, xs):
-    stats = fl.predictor_stats(model, [xs[1], xs[1], xs[1]], 0.25)
+    stats = fpred.predictor_stats(model, [xs[1], xs[1], xs[1]], 0.25)
     assert [s["layer"] for s in stats] == [1, 2]
     for s in stats:
         assert s["cos"] == pytest.approx(1.0) and s["intra"] == pytest.approx(1.0) and s["inter"] == 1.0
-    real = fl.predictor_stats(model, xs, 0.25)
+    real = fpred.predictor_stats(model, xs, 0.25)
     assert all(0 <= s[k] <= 1 for s in real for k in ("inter", "intra"))
 
 
@@ -120,7 +174,8 @@ def test_inter_predictor_learns_the_next_router(model):
     const = overlap(counts.expand(64, 4), logits[te])
     assert const < 0.65  # the baseline is no oracle on this data (≈ 0.58)
     for hidden, kw in ((0, dict(epochs=30, lr=1e-2)), (16, dict(epochs=60, lr=1e-2))):  # linear (router init), MLP
-        net = fl.train_inter_predictor(xs[1][tr], logits[tr], nxt.gate.weight.detach(), hidden=hidden, batch=16, **kw)
+        net = fpred.train_inter_predictor(xs[1][tr], logits[tr], nxt.gate.weight.detach(), hidden=hidden, batch=16,
+                                          **kw)
         with torch.no_grad():
             assert net(xs[1]).shape == (256, 4)
             assert overlap(net(xs[1][te]), logits[te]) > const + 0.25, hidden  # measured ≈ 0.91 for both
@@ -200,8 +255,8 @@ def test_floe_expert_controls(model, xs):
 
 
 def test_random_predictor_is_near_chance(model, xs):
-    real = fl.predictor_stats(model, xs, 0.25)
-    rnd = fl.predictor_stats(model, xs, 0.25, control="random_predictor")
+    real = fpred.predictor_stats(model, xs, 0.25)
+    rnd = fpred.predictor_stats(model, xs, 0.25, control="random_predictor")
     for r, q in zip(real, rnd):
         assert q["cos"] == r["cos"]
         assert abs(q["intra"] - 0.25) < 0.08  # a random quarter of the neurons recalls about a quarter
@@ -224,7 +279,8 @@ def test_config_for_scale_and_controls():
     assert smoke.trained and smoke.predictor == "router"
     assert not fl.Config.for_scale("smoke", "untrained").trained
     assert fl.Config.for_scale("smoke", "random_predictor").predictor == "random"
-    assert fl.Config.for_scale("smoke", "random_mask") == smoke  # mask controls act through `control=` arguments
+    for c in ("random_mask", "gate_for_up", "fp_thresholds"):  # mask controls act through `control=` arguments
+        assert fl.Config.for_scale("smoke", c) == smoke
     assert smoke.pooled_k in smoke.ks and set(smoke.offloaded) == set(range(1, smoke.n_layers))
     with pytest.raises(ValueError, match="not a control"):
         fl.Config.for_scale("smoke", "nope")

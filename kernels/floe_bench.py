@@ -1,0 +1,73 @@
+"""GPU timings of FloE's kernels (`kernels.floe`) at Mixtral's expert shape, with the same work on both sides: the
+dense FP16 torch expert against the sparse kernels (up projection and mask included), the engine's compact-rows
+expert, and the INT2 GEMV against a dense FP16 GEMV. CUDA only (CUDA events)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from kernels.floe import int2_gemv, int2_gemv_ref, masked_down, masked_gate_up, pack_int2, sparse_expert
+
+
+def _ms(fn, warmup: int = 10, reps: int = 50) -> float:
+    """Median milliseconds of `fn()` over `reps` CUDA-event-timed runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench(n_hidden: int = 4096, n_ff: int = 14336, keep: tuple[float, ...] = (0.5, 0.3, 0.1), device: str = "cuda",
+          dtype: torch.dtype = torch.float16, group_size: int = 64, autotune: bool = True) -> dict:
+    """Kernel timings at Mixtral's expert shape with the same work on both sides (median ms, CUDA events).
+
+    - `dense_ms`: the dense FP16 torch expert, W_down(SiLU(W_gate x) ⊙ W_up x);
+    - `sparse[keep]`: the FloE expert from the same full x: a_up = W_up x with the INT2 `int2_gemv`, the mask
+      |a_up| ≥ t (t its (1 − keep)-quantile, built on the device), then `masked_gate_up` and `masked_down` — the up
+      projection and mask building included, as in the dense expert; `speedup` = dense / sparse;
+    - `compact[keep]`: what the engine runs per expert once its rows have arrived: `sparse_expert` on the keep·F
+      transferred rows (a_up on the kept INT2 rows only, strided (n, 2, H) buffer);
+    - `int2_ms` vs `up_dense_ms`: the INT2 GEMV against a dense FP16 GEMV of the same W_up (`int2_speedup`);
+      `int2_ref_ms` the torch dequantize-then-matmul reference, for information."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    r = lambda *s: (torch.randn(*s, generator=gen) / math.sqrt(s[-1])).to(device, dtype)
+    x, Wg, Wu, Wd = r(n_hidden), r(n_ff, n_hidden), r(n_ff, n_hidden), r(n_hidden, n_ff)  # transformers' layout
+    Wd_t = Wd.T.contiguous()
+    ng = math.ceil(n_hidden / group_size)
+    q = torch.randint(0, 4, (n_ff, n_hidden), generator=gen).to(device)
+    packed = pack_int2(q)
+    scale = (torch.rand(n_ff, ng, generator=gen) * 0.02).to(device, torch.float16)
+    zero = torch.full((n_ff, ng), 1.5, device=device, dtype=torch.float16)
+    dense = lambda: F.linear(F.silu(F.linear(x, Wg)) * F.linear(x, Wu), Wd)
+    out = {"dense_ms": _ms(dense), "sparse": {}, "compact": {}}
+    for frac in keep:
+        k_drop = max(1, round((1 - frac) * n_ff))
+
+        def sparse(k_drop=k_drop):
+            a_up = int2_gemv(x, packed, scale, zero, group_size, n_hidden, autotune=autotune)
+            mask = a_up.abs() >= a_up.abs().kthvalue(k_drop).values
+            return masked_down(masked_gate_up(x, Wg, a_up, mask, autotune=autotune), Wd_t, mask, autotune=autotune)
+
+        ms = _ms(sparse)
+        out["sparse"][frac] = {"ms": ms, "speedup": out["dense_ms"] / ms}
+        n = max(1, round(frac * n_ff))
+        idx = torch.randperm(n_ff, generator=gen)[:n].sort().values.to(device)
+        rows = torch.stack([Wg[idx], Wd_t[idx]], 1)
+        ms = _ms(lambda rows=rows, idx=idx: sparse_expert(x, rows, packed, scale, zero, idx, group_size))
+        out["compact"][frac] = {"ms": ms, "speedup": out["dense_ms"] / ms}
+    out["up_dense_ms"] = _ms(lambda: F.linear(x, Wu))
+    out["int2_ref_ms"] = _ms(lambda: int2_gemv_ref(x, packed, scale, zero, group_size, n_hidden))
+    out["int2_ms"] = _ms(lambda: int2_gemv(x, packed, scale, zero, group_size, n_hidden, autotune=autotune))
+    out["int2_speedup"] = out["up_dense_ms"] / out["int2_ms"]
+    return out
