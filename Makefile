@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml environment.yml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH)
 	$(PIP) $(TORCH) -e ".[dev]"
-	DISABLE_CUDA=1 $(PIP) $(TORCH) hqq==0.2.8.post1 termcolor einops  # HQQ's own quantizer, the reference of tests/compress/test_quant.py (DISABLE_CUDA: its sdist skips its CUDA build)
+	$(PIP) $(TORCH) termcolor einops
+	# HQQ's own quantizer, the reference tests/compress/test_quant.py checks ours against. Installed aside, not on the
+	# path: transformers imports an importable hqq in every process (its quantized KV cache), ~1.5 s of CPU each.
+	# DISABLE_CUDA: the sdist then skips its CUDA build.
+	DISABLE_CUDA=1 $(PIP) --no-deps --upgrade --target $(VENV)/hqq-reference hqq==0.2.8.post1
 	-@$(VENV)/bin/nbstripout --install 2>/dev/null  # git filter: notebooks are committed without outputs
 	@touch $@
 

@@ -4,11 +4,8 @@
 `decode_seqs` draw its calibration, held-out and decoded sequences. The measurements: activations per
 (layer, expert), the sparsity sensitivity of Theorem 3.1 (Table 5), HQQ sensitivity per matrix (Table 7),
 the FloE expert against its baselines at equal sparsity, the trained inter-expert predictor (Sec. 3.3),
-the Triton kernels against the FloE expert, and the offload engine (Sec. 3.4): `Decoder` decodes held-out
-sequences under each policy and reports bytes/token, tokens/s (modelled on CPU by the device-tier
-simulator, measured with CUDA events on a GPU), misses, loss, one token's timeline, the engine's device bytes and,
-on CUDA, `torch.cuda.max_memory_allocated` beside the planned bytes; `mixtral_at_equal_memory` sizes the
-Mixtral-offloading baseline to FloE's device memory.
+the Triton kernels against the FloE expert, and Mixtral-8x7B's bytes per expert call. The offload engine's runs on
+the toy (`Decoder`, the notebook's policies, the baseline sized to FloE's device memory) are `lab.moe.floe_decode`.
 
 `floe_bench` runs the engine comparison in one go, with FP16 expert offload as the reference, and
 `report` prints it as ratios; on CUDA the bench also times the Triton kernels against the dense torch
@@ -21,10 +18,8 @@ import argparse
 import dataclasses
 import functools
 import json
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lab.core import bench
@@ -36,24 +31,14 @@ from lab.models.zoo import tiny_mixtral
 from lab.moe import blocks, links
 from lab.moe import floe as fl
 from lab.moe import floe_predictors as fpred
-from lab.moe.links import MIXTRAL, CudaLink, SimLink, TimeModel
-from lab.moe.offload import OffloadEngine, plan
+from lab.moe.floe_decode import Decoder
+from lab.moe.links import MIXTRAL
 
 POLICIES = {"FP16 on demand": ("fp16", {}), "INT2 on demand": ("int2", {}),
             "LRU FP16 k=2": ("lru-fp16", {"cache_k": 2}), "LRU INT2 k=2": ("lru-int2", {"cache_k": 2}),
             "Mixtral-offloading k=2": ("mixtral", {"cache_k": 2}), "DeepSpeed streaming": ("stream", {}),
             "FloE k=0.8": ("floe", {"keep": 0.2}),
             "FloE k=0.9": ("floe", {"keep": 0.1})}
-
-
-def engine_policies(keep: float) -> dict[str, tuple[str, dict]]:
-    """The notebook's engine comparison: FP16 and INT2 experts on demand, LRU caches of 2 whole experts per
-    layer (FP16, INT2), Mixtral-offloading (2 experts per layer and its 4 buffers: on the toy about FloE's device
-    memory), DeepSpeed-style whole-layer streaming, FloE at `keep` and at keep 0.1."""
-    return {"FP16 on demand": ("fp16", {}), "INT2 on demand": ("int2", {}),
-            "LRU FP16, k=2": ("lru-fp16", {"cache_k": 2}), "LRU INT2, k=2": ("lru-int2", {"cache_k": 2}),
-            "Mixtral-offloading, k=2": ("mixtral", {"cache_k": 2}), "DeepSpeed streaming": ("stream", {}),
-            f"FloE keep {keep:.2g}": ("floe", {"keep": keep}), "FloE keep 0.1": ("floe", {"keep": 0.1})}
 
 
 # ------------------------------------------------------------------------------------------ the toy
@@ -199,109 +184,6 @@ def mixtral_bytes_per_call() -> dict[str, float]:
     return {"ZeRO-3 MoE block (/2)": 8 * 3 * H * FF * 2 / 2, "FP16 expert": 3 * H * FF * 2,
             "HQQ INT2 expert (g64)": 3 * H * FF * 2.5 / 8, "Mixtral-offloading expert (g16)": mo_layout(FF, H)[-1][1],
             "FloE rows, k = 0.8": 2 * 0.2 * H * FF * 2, "FloE rows, k = 0.9": 2 * 0.1 * H * FF * 2}
-
-
-def equal_memory_k(resident: float, int2_bytes: float, n_layers: int, top_k: int = 2) -> int:
-    """LRU experts per layer holding about `resident` device bytes: `int2_bytes` is one token's on-demand INT2
-    bytes over `n_layers` offloaded layers (top_k whole experts each)."""
-    return max(1, round(resident / (n_layers * int2_bytes / (top_k * n_layers))))
-
-
-def mixtral_at_equal_memory(model: nn.Module, keep: float, n_buffers: int = 4) -> tuple[int, dict | None]:
-    """FloE's device bytes at `keep` (its INT2 W_up and two row buffers, as its engine holds them) and the
-    Mixtral-offloading arguments (`offload.plan`: experts per layer plus its buffers) that fit in as many bytes
-    (None if not even one expert per layer fits)."""
-    floe_bytes = OffloadEngine(model, "floe", SimLink(TimeModel()), keep=keep).stats.resident_bytes
-    return floe_bytes, plan(model, floe_bytes, keep, n_buffers=n_buffers)["mixtral"]
-
-
-# ---------------------------------------------------------------------------------- the engine runs
-
-@dataclass(frozen=True, eq=False)
-class Decoder:
-    """Decodes held-out sequences with `OffloadEngine` (one engine and link per sequence): over CUDA on a GPU,
-    else over the simulator with Mixtral-equivalent bandwidths at `pcie_gbps`."""
-
-    model: nn.Module
-    seqs: Tensor  # (n, T)
-    device: str = "cpu"
-    pcie_gbps: float = 25.0
-    predictor: str = "router"  # "random" under FloE's `random_predictor` control
-    seed: int = 0
-
-    def link(self, gbps: float) -> SimLink:
-        if self.device == "cuda":
-            return CudaLink()
-        _, H, F_ = blocks.moe_blocks(self.model)[0].experts.down_proj.shape
-        return SimLink(TimeModel.mixtral_equivalent(H, F_, pcie=gbps * 1e9))
-
-    def decode(self, policy: str, kw: dict, gbps: float | None = None, n: int | None = None) -> dict:
-        """Loss, bytes/token, tokens/s, miss rate, device-resident expert bytes and the last token's spans of one
-        policy over the first n sequences (all by default). Over the simulator (deterministic) a cached stage; on
-        CUDA always run, as its times are measurements."""
-        gbps = self.pcie_gbps if gbps is None else gbps
-        return self.run(policy, kw, gbps, n) if self.device == "cuda" else _simulated(self, policy, kw, gbps, n)
-
-    def run(self, policy: str, kw: dict, gbps: float, n: int | None = None) -> dict:
-        out = {"nll": [], "bytes": [], "sec": [], "miss": 0, "calls": 0}
-        cuda = self.device == "cuda"
-        for s in self.seqs[:n]:
-            eng = OffloadEngine(self.model, policy, self.link(gbps),
-                                device=self.device, predictor=self.predictor, seed=self.seed, **kw)
-            logits, st = eng.run(s[None])
-            out["nll"].append(F.cross_entropy(logits[:-1].float(), s[1:]).item())
-            out["bytes"] += st.bytes
-            out["sec"] += st.seconds[1:]  # the first token includes warm-up on CUDA
-            out["miss"] += st.misses
-            out["calls"] += st.calls
-            out["spans"] = eng.link.spans_since(eng.last_token)
-            out["resident"] = st.resident_bytes
-            out["max_memory"], out["planned"] = st.max_memory, st.model_bytes + st.resident_bytes
-        res = {"loss": sum(out["nll"]) / len(out["nll"]), "bytes": sum(out["bytes"]) / len(out["bytes"]),
-               "tps": len(out["sec"]) / sum(out["sec"]), "miss": out["miss"] / max(1, out["calls"]),
-               "spans": out["spans"], "resident": out["resident"]}
-        return res | ({"max_memory": out["max_memory"], "planned": out["planned"]} if cuda else {})
-
-    def decode_all(self, policies: dict[str, tuple[str, dict]], gbps: float | None = None,
-                   n: int | None = None) -> dict[str, dict]:
-        return {name: self.decode(p, kw, gbps, n) for name, (p, kw) in policies.items()}
-
-    @torch.no_grad()
-    def dense_loss(self) -> float:
-        """Mean next-token loss of the model itself over the sequences (teacher-forced, no offload)."""
-        return sum(F.cross_entropy(self.model(input_ids=s[None]).logits[0, :-1], s[1:]).item()
-                   for s in self.seqs) / len(self.seqs)
-
-    def simulate(self, gbps: float, keep: float, budget_kb: float) -> dict[str, dict]:
-        """Each policy under one device budget for experts (beyond layer 0, `offload.plan`), one sequence;
-        a policy that does not fit is left out (the offload explorer's callback)."""
-        fit_ = plan(self.model, int(budget_kb * 1e3), keep)
-        runs = {"FP16 on demand": ("fp16", {})}
-        runs.update({name: (pol, fit_[pol]) for name, pol in BUDGETED if fit_[pol] is not None})
-        return self.decode_all(runs, gbps, n=1)
-
-    def tps_by_bandwidth(self, policies: dict[str, tuple[str, dict]], bandwidths: tuple[float, ...]) -> dict:
-        """{policy: [tokens/s at each bandwidth]}, one sequence."""
-        return {name: [self.decode(p, kw, b, n=1)["tps"] for b in bandwidths] for name, (p, kw) in policies.items()}
-
-    def tps_by_budget(self, budgets_kb: tuple[float, ...], keep: float) -> dict[str, list]:
-        """{LRU FP16, LRU INT2, Mixtral-offloading, floe: [tokens/s under each device budget, None where it does
-        not fit]}."""
-        out = {name: [] for name, _ in BUDGETED}
-        for b in budgets_kb:
-            res = self.simulate(self.pcie_gbps, keep, b)
-            for name in out:
-                out[name].append(res[name]["tps"] if name in res else None)
-        return out
-
-
-BUDGETED = (("LRU FP16", "lru-fp16"), ("LRU INT2", "lru-int2"), ("Mixtral-offloading", "mixtral"), ("floe", "floe"))
-
-
-@stage
-def _simulated(dec: Decoder, policy: str, kw: dict, gbps: float, n: int | None) -> dict:
-    """`Decoder.run` over the simulator, cached by the model, sequences, predictor, policy and bandwidth."""
-    return dec.run(policy, kw, gbps, n)
 
 
 # ------------------------------------------------------------------------ `python -m lab bench floe`

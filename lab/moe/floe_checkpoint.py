@@ -24,6 +24,7 @@ from lab.core.params import ParamError
 from lab.moe import blocks
 from lab.moe import floe as fl
 from lab.moe import floe_bench as fb
+from lab.moe import floe_decode as fd
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")  # fused `experts` + `gate` router per layer in transformers 5
 
@@ -72,9 +73,9 @@ def checkpoint(model: str, data: str, cfg: fl.Config, *, k: float = 0.8, n_block
                               cfg.group_size)
     variants = fb.expert_variants(net, xs_cal, t_fp, k, experts, nbits=cfg.nbits, group_size=cfg.group_size)
     layers = list(range(1, len(xs_ev)))
-    dec = fb.Decoder(net, ev[:n_decode], device, pcie_gbps, seed=seed)
+    dec = fd.Decoder(net, ev[:n_decode], device, pcie_gbps, seed=seed)
     engine = {name: {key: v for key, v in r.items() if key != "spans"}
-              for name, r in dec.decode_all(fb.engine_policies(1 - k)).items()}
+              for name, r in dec.decode_all(fd.engine_policies(1 - k)).items()}
     mlp0 = blocks.moe_blocks(net)[0]
     return {"model": {"type": net.config.model_type, "layers": len(xs_ev), "experts": mlp0.experts.down_proj.shape[0],
                       "top_k": mlp0.gate.top_k, "params": sum(p.numel() for p in net.parameters())},

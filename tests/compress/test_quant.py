@@ -1,5 +1,8 @@
 """Group-wise quantization: packing round trips, the RTN closed form, HQQ's solver improving on RTN."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -70,6 +73,15 @@ def test_bad_input():
 
 # ---------------------------------------------------------------- against the `hqq` package (Badri & Shaji's code)
 
+def _hqq():
+    """`hqq.core.quantize`, from the folder `make setup` installs it into (`.venv/hqq-reference`, off the path:
+    transformers would import an importable hqq in every process), or from the environment."""
+    folder = Path(__file__).resolve().parents[2] / ".venv" / "hqq-reference"
+    if folder.is_dir() and str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    return pytest.importorskip("hqq.core.quantize", reason="the `hqq` package is not installed (`make setup` does)")
+
+
 def _weights(kind: str, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if kind == "gauss+outliers":  # the solver runs all its iterations
@@ -85,7 +97,7 @@ def test_matches_the_hqq_package(nbits, method, kind):
     RTN; optimize=True: its proximal solver, early stop included) on the same grouping, 64 consecutive inputs of a
     row (`axis=1`). hqq ≥ 0.2.7 never multiplies β by κ (its legacy loop lost `beta *= kappa`), so ours runs at
     κ = 1 here; at its default κ = 1.01 (the HQQ paper, hqq ≤ 0.2.6) its error stays within 3 % of the package's."""
-    hqq = pytest.importorskip("hqq.core.quantize", reason="the `hqq` package is not installed (`make setup` does)")
+    hqq = _hqq()
     W = _weights(kind, nbits)
     W_q, meta = hqq.Quantizer.quantize(W, nbits=nbits, group_size=64, axis=1, optimize=method == "hqq",
                                        device="cpu", compute_dtype=torch.float32)

@@ -12,6 +12,7 @@ from lab.data.chains import PermutationChains
 from lab.moe import blocks
 from lab.moe import floe as fl
 from lab.moe import floe_bench as fb
+from lab.moe import floe_decode as fd
 from lab.moe import floe_predictors as fpred
 from lab.moe.floe_bench import POLICIES, floe_bench, report
 from lab.moe.links import SimLink, TimeModel
@@ -154,11 +155,11 @@ def test_mixtral_arithmetic_and_equal_memory():
     bits = 2 + 8 / 16 + 8 / 16 + 2 * 16 / (128 * 16)
     assert per_call["Mixtral-offloading expert (g16)"] == pytest.approx(per_call["FP16 expert"] * bits / 16, rel=1e-5)
     # FloE holds 600 B; a token moves 6 INT2 experts of 50 B over 3 layers: 600 / (3 · 50) = 4 experts per layer
-    assert fb.equal_memory_k(600, 300, 3) == 4 and fb.equal_memory_k(1, 300, 3) == 1
+    assert fd.equal_memory_k(600, 300, 3) == 4 and fd.equal_memory_k(1, 300, 3) == 1
 
 
 def test_engine_policies_names():
-    pols = fb.engine_policies(1 - 0.8)
+    pols = fd.engine_policies(1 - 0.8)
     assert list(pols) == ["FP16 on demand", "INT2 on demand", "LRU FP16, k=2", "LRU INT2, k=2",
                           "Mixtral-offloading, k=2", "DeepSpeed streaming", "FloE keep 0.2", "FloE keep 0.1"]
     assert pols["FloE keep 0.2"] == ("floe", {"keep": 1 - 0.8})
@@ -167,7 +168,7 @@ def test_engine_policies_names():
 def test_decoder_against_the_engine(model):
     """One policy decoded by hand with the engine: loss, bytes/token, tokens/s (first token left out), misses."""
     seqs = torch.randint(40, (2, 10), generator=torch.Generator().manual_seed(6))
-    dec = fb.Decoder(model, seqs, pcie_gbps=12.0)
+    dec = fd.Decoder(model, seqs, pcie_gbps=12.0)
     got = dec.decode("floe", {"keep": 0.25})
     nll, nbytes, secs, miss, calls = [], [], [], 0, 0
     for s in seqs:
@@ -183,13 +184,13 @@ def test_decoder_against_the_engine(model):
     assert dec.dense_loss() == pytest.approx(sum(dense) / 2)
     slow = dec.decode("fp16", {}, gbps=1.0, n=1)
     assert slow["tps"] < dec.decode("fp16", {}, n=1)["tps"]
-    rnd = fb.Decoder(model, seqs, predictor="random").decode("floe", {"keep": 0.25})
+    rnd = fd.Decoder(model, seqs, predictor="random").decode("floe", {"keep": 0.25})
     assert rnd["miss"] > got["miss"]
 
 
 def test_decoder_budgets(model):
     """Under a budget too small for FloE's INT2 W_up only FP16 on demand and the (empty) LRU caches run."""
-    dec = fb.Decoder(model, torch.randint(40, (1, 6), generator=torch.Generator().manual_seed(7)))
+    dec = fd.Decoder(model, torch.randint(40, (1, 6), generator=torch.Generator().manual_seed(7)))
     small = dec.simulate(25.0, 0.25, 10)
     assert "floe" not in small and set(small) == {"FP16 on demand", "LRU INT2"}  # INT2 staging slots fit 10 kB
     assert "floe" in dec.simulate(25.0, 0.25, 1e6)
@@ -200,7 +201,7 @@ def test_decoder_budgets(model):
 
 
 def test_mixtral_at_equal_memory(model):
-    floe_bytes, kw = fb.mixtral_at_equal_memory(model, 0.25)
+    floe_bytes, kw = fd.mixtral_at_equal_memory(model, 0.25)
     eng = lambda k: OffloadEngine(model, "mixtral", SimLink(TimeModel()), cache_k=k)
     assert kw is not None and eng(kw["cache_k"]).stats.resident_bytes <= floe_bytes
     assert kw["cache_k"] == 4 or eng(kw["cache_k"] + 1).stats.resident_bytes > floe_bytes
