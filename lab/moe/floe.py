@@ -43,6 +43,8 @@ CONTROLS = {  # the substitutions a skeptic would make; the notebook declares wh
     "fp_thresholds": "FloE's thresholds calibrated on the full-precision W_up's |a_up| while its mask thresholds the "
                      "INT2 W_up's (Eq. 6 on another activation than the one Eq. 11 masks)",
     "random_predictor": "the inter- and intra-expert predictors replaced by random experts and random neurons",
+    "whole_experts": "FloE without its sparse transfer: every up neuron kept (thresholds 0) and every row of each "
+                     "predicted expert's W_gate and W_downᵀ moved by the offload engine (keep 1)",
     "untrained": "the same model untrained (its random initialisation): sensitivities a trained MoE learns vanish",
 }
 
@@ -83,19 +85,21 @@ class Config:
     predictor_lr: float = 5e-4
     predictor_batch: int = 256
     predictor: str = "router"  # the offload engine's predictors; "random" under the `random_predictor` control
+    whole_experts: bool = False  # True under the `whole_experts` control: the engine's FloE moves every row (keep 1)
     n_decode: int = 1  # sequences decoded by the offload engine
     bandwidths: tuple[float, ...] = (6, 25, 100)  # GB/s of the bandwidth sweep
     budgets_kb: tuple[float, ...] = (70, 140, 280, 700, 1400)  # device memory for experts beyond layer 0
 
     @classmethod
     def for_scale(cls, scale: str, control: str = "") -> Config:
-        """Sizes for `scale` ("smoke" | "full"); `control` switches what the `untrained` and `random_predictor`
-        controls change in the build (the other controls act on the masks, through `control=` arguments)."""
+        """Sizes for `scale` ("smoke" | "full"); `control` switches what the `untrained`, `random_predictor` and
+        `whole_experts` controls change in the build (the others act on the masks, through `control=` arguments)."""
         if scale not in params.SCALES:
             raise ValueError(f"scale={scale!r} is unknown; use one of {', '.join(params.SCALES)}.")
         sizes = {} if scale == "smoke" else dict(steps=1500, n_seq=256, predictor_epochs=20, n_decode=8)
         return cls(**sizes, trained=check_control(control) != "untrained",
-                   predictor="random" if control == "random_predictor" else "router")
+                   predictor="random" if control == "random_predictor" else "router",
+                   whole_experts=control == "whole_experts")
 
     def arch(self, vocab_size: int) -> dict:
         """`lab.models.zoo.tiny_mixtral` arguments."""
@@ -179,8 +183,11 @@ def floe_thresholds(model: nn.Module, xs: list[Tensor], k: float, nbits: int = 2
     """FloE's per-expert thresholds t (L, E) at sparsity k, calibrated (Eq. 6) on the activation the FloE expert
     masks: |x W_up| with W_up in INT2 (HQQ, `nbits`, `group_size`), since Eq. 11 thresholds the up output of the
     stored weight. Under `fp_thresholds` on the full-precision W_up's |x W_up| instead (the INT2 one, noisier,
-    then crosses them more often); under `gate_for_up` on |a_gate|, the mask `floe_experts` then takes."""
+    then crosses them more often); under `gate_for_up` on |a_gate|, the mask `floe_experts` then takes; under
+    `whole_experts` all zero (every neuron kept)."""
     control = check_control(control)
+    if control == "whole_experts":
+        return torch.zeros(len(xs), moe_blocks(model)[0].experts.down_proj.shape[0])
     return thresholds(model, xs, k, mask_source("up", control), nbits=None if control == "fp_thresholds" else nbits,
                       group_size=group_size)
 

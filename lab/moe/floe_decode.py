@@ -19,14 +19,16 @@ from lab.moe.links import CudaLink, SimLink, TimeModel
 from lab.moe.offload import OffloadEngine, plan
 
 
-def engine_policies(keep: float) -> dict[str, tuple[str, dict]]:
+def engine_policies(keep: float, whole_experts: bool = False) -> dict[str, tuple[str, dict]]:
     """The notebook's engine comparison: FP16 and INT2 experts on demand, LRU caches of 2 whole experts per
     layer (FP16, INT2), Mixtral-offloading (2 experts per layer and its 4 buffers: on the toy about FloE's device
-    memory), DeepSpeed-style whole-layer streaming, FloE at `keep` and at keep 0.1."""
+    memory), DeepSpeed-style whole-layer streaming, FloE at `keep` and at keep 0.1 — both moving every row (keep
+    1) under FloE's `whole_experts` control, with their names unchanged."""
+    floe = lambda kp: ("floe", {"keep": 1.0 if whole_experts else kp})
     return {"FP16 on demand": ("fp16", {}), "INT2 on demand": ("int2", {}),
             "LRU FP16, k=2": ("lru-fp16", {"cache_k": 2}), "LRU INT2, k=2": ("lru-int2", {"cache_k": 2}),
             "Mixtral-offloading, k=2": ("mixtral", {"cache_k": 2}), "DeepSpeed streaming": ("stream", {}),
-            f"FloE keep {keep:.2g}": ("floe", {"keep": keep}), "FloE keep 0.1": ("floe", {"keep": 0.1})}
+            f"FloE keep {keep:.2g}": floe(keep), "FloE keep 0.1": floe(0.1)}
 
 
 def equal_memory_k(resident: float, int2_bytes: float, n_layers: int, top_k: int = 2) -> int:

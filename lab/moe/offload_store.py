@@ -6,15 +6,16 @@ Forms (a dict of tensors per expert):
 - `fp`: {"w": (3, F, H)} W_gate, W_up, W_downᵀ in the weight dtype `weight_dtype` (FP16 for an FP32 model — the toy
   stands in for an FP16 Mixtral —, the model's own dtype otherwise); DeepSpeed-style streaming holds a whole layer,
   {"w": (E, 3, F, H)};
-- `int2`: per matrix m (0 gate, 1 up, 2 downᵀ) codes `q{m}` (F, ⌈H/4⌉) uint8 in the INT2 packing of
-  `lab.compress.quant.pack` (4 codes per byte, code i in bits 2i..2i+1) with FP16 scale/zero `s{m}`, `z{m}`
-  (F, ⌈H/g⌉), from our HQQ solver (`lab.compress.quant.quantize`, groups of g inputs, g = 64 as FloE configures HQQ);
+- `int2`: {"int2": block}: per matrix m (0 gate, 1 up, 2 downᵀ) codes `q{m}` (F, ⌈H/4⌉) uint8 in the INT2 packing
+  of `lab.compress.quant.pack` (4 codes per byte, code i in bits 2i..2i+1) with FP16 scale/zero `s{m}`, `z{m}`
+  (F, ⌈H/g⌉), from our HQQ solver (`lab.compress.quant.quantize`, groups of g inputs, g = 64 as FloE configures HQQ),
+  the nine pieces in ONE contiguous uint8 block per expert (`int2_layout`), so one copy moves it, as in `mo`;
 - `mo`: Mixtral-offloading's expert (Eliseev & Mazur 2023; dvmazur/mixtral-offloading `src/build_model.py`:
   HQQ `nbits=2, group_size=16, quant_zero=True, quant_scale=True`): 2-bit codes in groups of 16, the scale quantized
   to 8 bits in groups of 128 and the zero to 8 bits with one range per matrix (the `hqq` version the repository pins:
   `scale_quant_params` group 128, `zero_quant_params` channel_wise False), their FP16 meta, all in ONE contiguous
-  uint8 block per expert (their `UntypedStorage` per expert), so one copy moves it. Our groups run along the input
-  dimension (HQQ `axis=1`); theirs along axis 0 — the same bits per weight;
+  uint8 block per expert, {"mo": block} (their `UntypedStorage` per expert), so one copy moves it. Our groups run
+  along the input dimension (HQQ `axis=1`); theirs along axis 0 — the same bits per weight;
 - `rows`: FloE's host store {"rows": (F, 2, H)}: gate row j and down column j side by side (FloE Sec. 3.4.2);
 - `up`: FloE's device-resident W_up {"q", "s", "z"}: INT2, group 64, FP16 scale/zero, the layout
   `kernels.floe.int2_gemv` reads.
@@ -66,10 +67,11 @@ def int2_matrix(W: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def int2_form(Wg: Tensor, Wu: Tensor, Wd: Tensor, group_size: int) -> Form:
-    out = {}
+    F, H = Wg.shape
+    parts = {}
     for m, W in enumerate((Wg, Wu, Wd.T)):
-        out[f"q{m}"], out[f"s{m}"], out[f"z{m}"] = int2_matrix(W, group_size)
-    return out
+        parts[f"q{m}"], parts[f"s{m}"], parts[f"z{m}"] = int2_matrix(W, group_size)
+    return {"int2": _pack(parts, int2_layout(F, H, group_size), Wg.device)}
 
 
 def up_form(Wu: Tensor, group_size: int) -> Form:
@@ -101,17 +103,12 @@ def _dq8(codes: Tensor, s: Tensor, z: Tensor, group: int | None, shape) -> Tenso
 
 
 MO_GROUP, MO_META_GROUP = 16, 128
+Layout = list[tuple[str, int, tuple[int, ...], torch.dtype]]
 
 
-def mo_layout(F: int, H: int) -> list[tuple[str, int, tuple[int, ...], torch.dtype]]:
-    """(name, byte offset, shape, dtype) of every piece of a Mixtral-offloading expert block (offsets even)."""
-    G, GM = math.ceil(H / MO_GROUP), math.ceil(F * math.ceil(H / MO_GROUP) / MO_META_GROUP)
-    pieces = []
-    for m in range(3):
-        pieces += [(f"q{m}", (F, math.ceil(H / 4)), torch.uint8), (f"sq{m}", (F, G), torch.uint8),
-                   (f"zq{m}", (F, G), torch.uint8), (f"ss{m}", (GM, 1), torch.float16),
-                   (f"sz{m}", (GM, 1), torch.float16), (f"zs{m}", (1, 1), torch.float16),
-                   (f"zz{m}", (1, 1), torch.float16)]
+def _layout(pieces: list[tuple[str, tuple[int, ...], torch.dtype]]) -> Layout:
+    """(name, byte offset, shape, dtype) of each piece laid end to end in one uint8 block (offsets even, so FP16
+    pieces are aligned), then ("end", block size)."""
     out, off = [], 0
     for name, shape, dt in pieces:
         out.append((name, off, shape, dt))
@@ -120,20 +117,43 @@ def mo_layout(F: int, H: int) -> list[tuple[str, int, tuple[int, ...], torch.dty
     return out + [("end", off, (), torch.uint8)]
 
 
+def int2_layout(F: int, H: int, group_size: int) -> Layout:
+    """The pieces of an `int2` expert block: codes, FP16 scale and zero of W_gate, W_up, W_downᵀ."""
+    G = math.ceil(H / group_size)
+    return _layout([piece for m in range(3) for piece in ((f"q{m}", (F, math.ceil(H / 4)), torch.uint8),
+                                                          (f"s{m}", (F, G), torch.float16),
+                                                          (f"z{m}", (F, G), torch.float16))])
+
+
+def mo_layout(F: int, H: int) -> Layout:
+    """The pieces of a Mixtral-offloading expert block."""
+    G, GM = math.ceil(H / MO_GROUP), math.ceil(F * math.ceil(H / MO_GROUP) / MO_META_GROUP)
+    pieces = []
+    for m in range(3):
+        pieces += [(f"q{m}", (F, math.ceil(H / 4)), torch.uint8), (f"sq{m}", (F, G), torch.uint8),
+                   (f"zq{m}", (F, G), torch.uint8), (f"ss{m}", (GM, 1), torch.float16),
+                   (f"sz{m}", (GM, 1), torch.float16), (f"zs{m}", (1, 1), torch.float16),
+                   (f"zz{m}", (1, 1), torch.float16)]
+    return _layout(pieces)
+
+
+def _pack(parts: dict[str, Tensor], layout: Layout, device) -> Tensor:
+    block = torch.zeros(layout[-1][1], dtype=torch.uint8, device=device)
+    for name, off, _, _ in layout[:-1]:
+        b = parts[name].contiguous().reshape(-1).view(torch.uint8)
+        block[off:off + b.numel()] = b
+    return block
+
+
 def mo_form(Wg: Tensor, Wu: Tensor, Wd: Tensor) -> Form:
     F, H = Wg.shape
-    layout = mo_layout(F, H)
-    block = torch.zeros(layout[-1][1], dtype=torch.uint8, device=Wg.device)
     parts = {}
     for m, W in enumerate((Wg, Wu, Wd.T)):
         q = quantize(W.detach().float(), 2, MO_GROUP)
         parts[f"q{m}"] = q.packed
         parts[f"sq{m}"], parts[f"ss{m}"], parts[f"sz{m}"] = _q8(q.scale, MO_META_GROUP)
         parts[f"zq{m}"], parts[f"zs{m}"], parts[f"zz{m}"] = _q8(q.zero, None)
-    for name, off, _, _ in layout[:-1]:
-        b = parts[name].contiguous().reshape(-1).view(torch.uint8)
-        block[off:off + b.numel()] = b
-    return {"block": block}
+    return {"mo": _pack(parts, mo_layout(F, H), Wg.device)}
 
 
 # --------------------------------------------------------------------------------------------- decoding
@@ -153,9 +173,10 @@ def dequant(q: Tensor, s: Tensor, z: Tensor, group_size: int, K: int, dtype: tor
 _SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
 
 
-def _mo_views(block: Tensor, F: int, H: int) -> dict[str, Tensor]:
+def _views(block: Tensor, layout: Layout) -> dict[str, Tensor]:
+    """The pieces of a block as views into it (no copies)."""
     views = {}
-    for name, off, shape, dt in mo_layout(F, H)[:-1]:
+    for name, off, shape, dt in layout[:-1]:
         n = math.prod(shape) * (2 if dt == torch.float16 else 1)
         views[name] = block[off:off + n].view(dt).reshape(shape)
     return views
@@ -165,8 +186,8 @@ def decode(form: Form, F: int, H: int, dtype: torch.dtype, group_size: int = 64)
     """W_gate, W_up, W_downᵀ (each (F, H)) of one expert's form, in `dtype`."""
     if "w" in form:
         return tuple(form["w"].to(dtype))
-    if "block" in form:
-        v = _mo_views(form["block"], F, H)
+    if "mo" in form:
+        v = _views(form["mo"], mo_layout(F, H))
         out = []
         for m in range(3):
             G = v[f"sq{m}"].shape[1]
@@ -174,7 +195,8 @@ def decode(form: Form, F: int, H: int, dtype: torch.dtype, group_size: int = 64)
             z = _dq8(v[f"zq{m}"].flatten(), v[f"zs{m}"], v[f"zz{m}"], None, (F, G))
             out.append(dequant(v[f"q{m}"], s, z, MO_GROUP, H, dtype))
         return tuple(out)
-    return tuple(dequant(form[f"q{m}"], form[f"s{m}"], form[f"z{m}"], group_size, H, dtype) for m in range(3))
+    v = _views(form["int2"], int2_layout(F, H, group_size))
+    return tuple(dequant(v[f"q{m}"], v[f"s{m}"], v[f"z{m}"], group_size, H, dtype) for m in range(3))
 
 
 def rows_buffer(top_k: int, n_keep: int, H: int, wd: torch.dtype, device) -> Form:

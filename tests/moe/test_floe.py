@@ -73,6 +73,9 @@ def test_floe_thresholds_are_eq6_on_the_int2_up(model, xs):
     assert fl.kept_fraction(experts, model, xs, t=t_fp) > 1 - k + 0.02
     assert torch.equal(fl.floe_thresholds(model, xs, k, group_size=16, control="fp_thresholds"), t_fp)
     assert torch.equal(fl.floe_thresholds(model, xs, k, control="gate_for_up"), fl.thresholds(model, xs, k, "gate"))
+    t0 = fl.floe_thresholds(model, xs, k, control="whole_experts")
+    assert t0.shape == t.shape and not t0.any()  # every neuron kept
+    assert fl.kept_fraction(fl.floe_experts(model, t0, group_size=16), model, xs) == 1.0
 
 
 @pytest.mark.parametrize("t, want", [(0.0, 1.0), (float("inf"), 0.0), (None, None)])
@@ -279,6 +282,7 @@ def test_config_for_scale_and_controls():
     assert smoke.trained and smoke.predictor == "router"
     assert not fl.Config.for_scale("smoke", "untrained").trained
     assert fl.Config.for_scale("smoke", "random_predictor").predictor == "random"
+    assert fl.Config.for_scale("smoke", "whole_experts").whole_experts and not smoke.whole_experts
     for c in ("random_mask", "gate_for_up", "fp_thresholds"):  # mask controls act through `control=` arguments
         assert fl.Config.for_scale("smoke", c) == smoke
     assert smoke.pooled_k in smoke.ks and set(smoke.offloaded) == set(range(1, smoke.n_layers))

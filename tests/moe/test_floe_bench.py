@@ -163,6 +163,9 @@ def test_engine_policies_names():
     assert list(pols) == ["FP16 on demand", "INT2 on demand", "LRU FP16, k=2", "LRU INT2, k=2",
                           "Mixtral-offloading, k=2", "DeepSpeed streaming", "FloE keep 0.2", "FloE keep 0.1"]
     assert pols["FloE keep 0.2"] == ("floe", {"keep": 1 - 0.8})
+    whole = fd.engine_policies(1 - 0.8, whole_experts=True)  # FloE's control: every row moved, names unchanged
+    assert list(whole) == list(pols) and whole["FloE keep 0.1"] == whole["FloE keep 0.2"] == ("floe", {"keep": 1.0})
+    assert all(whole[n] == pols[n] for n in pols if not n.startswith("FloE"))
 
 
 def test_decoder_against_the_engine(model):

@@ -181,6 +181,28 @@ def test_mo_form_decodes_close_to_the_weights(model):
     assert err(st.mo_form(*W)) < err(st.int2_form(*W, 64)) < 0.5 * W[0].abs().mean().item()
 
 
+@pytest.mark.parametrize("kind", ["int2", "mo"])
+def test_quantized_experts_are_one_block_moved_by_one_copy(model, seq, kind):
+    """An `int2` or `mo` expert is one contiguous uint8 tensor (one copy, one latency), whose pieces decode to what
+    the quantizer gives each matrix separately (int2: exactly)."""
+    W = weights(moe_blocks(model)[1], 3)
+    form = st.int2_form(*W, 64) if kind == "int2" else st.mo_form(*W)
+    (block,) = form.values()
+    assert block.dtype == torch.uint8 and block.is_contiguous() and block.dim() == 1
+    if kind == "int2":
+        assert st.nbytes(form) == sum(st.nbytes(st.int2_matrix(M, 64)) for M in (W[0], W[1], W[2].T))
+        for got, M in zip(st.decode(form, FF, H, torch.float32, 64), (W[0], W[1], W[2].T)):
+            q, s, z = st.int2_matrix(M, 64)
+            assert torch.equal(got, st.dequant(q, s, z, 64, H, torch.float32))
+    eng = engine(model, "int2" if kind == "int2" else "mixtral")
+    _, stats = eng.run(seq)
+    copies = [s for s in eng.link.spans if s.lane == "transfer"]
+    assert copies and all(s.what.startswith("expert") for s in copies)
+    assert sum(stats.bytes) == len(copies) * st.nbytes(block)  # every copy moves one whole block
+    if kind == "int2":
+        assert len(copies) == seq.shape[1] * K * (L - 1)  # one copy per routed expert of an offloaded layer
+
+
 def test_bad_policy(model):
     with pytest.raises(ValueError, match="policy"):
         OffloadEngine(model, "zero3", SimLink(TimeModel()))
