@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lab.core import zygote
 from lab.core.params import ParamError, validate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,7 +157,8 @@ def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeou
     try:
         pm.execute_notebook(str(path), str(out / f"{stem}.ipynb"), parameters=overrides, kernel_name="python3",
                             cwd=str(path.parent), execution_timeout=cell_timeout, start_timeout=120,
-                            progress_bar=False, log_output=False, shutdown_kernel="immediate")
+                            progress_bar=False, log_output=False, shutdown_kernel="immediate",
+                            kernel_manager_class=zygote.kernel_manager())
     except pm.PapermillExecutionError as e:
         if e.ename in BAD_INPUT:  # the notebook refused its input (a wrong model family, missing data): no report
             os.environ.pop("LAB_RECORD_FILE", None)
@@ -208,32 +210,37 @@ def cmd_run(args) -> int:
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     ok = True
-    for path, ov, params in todo:
-        timeout = args.cell_timeout or (300 if params["scale"] == "smoke" else 7200)
-        try:
-            rec = run_one(path, ov, params, out, cell_timeout=timeout, page=not args.no_page)
-        except ParamError as e:
-            if len(todo) == 1:
-                if created and not any(out.iterdir()):
-                    out.rmdir()
-                raise  # one sentence, exit 2
-            print(f"{path.stem:<28} refused  {e}", flush=True)  # `run all` goes on with the other notebooks
-            ok = False
-            continue
-        n_pass = sum(c["passed"] for c in rec["claims"])
-        print(f"{rec['notebook']:<28} {rec['status']:<7} {rec['seconds']:7.1f} s  "
-              f"claims {n_pass}/{len(rec['claims'])}  {out / (rec['notebook'] + '.html')}", flush=True)
-        if rec.get("control"):
-            c = rec["control"]
-            print(f"  control {c['name']!r} (a control run: its claims should fail): {len(c['broken'])}/"
-                  f"{len(c['must_break'])} named claims broken" +
-                  (f"; NOT broken: {', '.join(c['survived'])}" if c["survived"] else ""), flush=True)
-        elif rec.get("error"):
-            print(f"  {rec['error'].splitlines()[0] if rec['error'] else ''}", flush=True)
-        ok &= rec["status"] in ("passed", "measured")
+    with zygote.warm():  # kernels forked ready from one process that imported torch and transformers once
+        for path, ov, params in todo:
+            ok &= _run_reported(path, ov, params, out, args, created, len(todo))
     if not args.no_page:
         print(f"index: {report.build_index(out)}")
     return 0 if ok else 1
+
+
+def _run_reported(path: Path, ov: dict, params: dict, out: Path, args, created: bool, n_todo: int) -> bool:
+    """`run_one`, then its line of the run's summary; False unless it passed (or measured)."""
+    timeout = args.cell_timeout or (300 if params["scale"] == "smoke" else 7200)
+    try:
+        rec = run_one(path, ov, params, out, cell_timeout=timeout, page=not args.no_page)
+    except ParamError as e:
+        if n_todo == 1:
+            if created and not any(out.iterdir()):
+                out.rmdir()
+            raise  # one sentence, exit 2
+        print(f"{path.stem:<28} refused  {e}", flush=True)  # `run all` goes on with the other notebooks
+        return False
+    n_pass = sum(c["passed"] for c in rec["claims"])
+    print(f"{rec['notebook']:<28} {rec['status']:<7} {rec['seconds']:7.1f} s  "
+          f"claims {n_pass}/{len(rec['claims'])}  {out / (rec['notebook'] + '.html')}", flush=True)
+    if rec.get("control"):
+        c = rec["control"]
+        print(f"  control {c['name']!r} (a control run: its claims should fail): {len(c['broken'])}/"
+              f"{len(c['must_break'])} named claims broken" +
+              (f"; NOT broken: {', '.join(c['survived'])}" if c["survived"] else ""), flush=True)
+    elif rec.get("error"):
+        print(f"  {rec['error'].splitlines()[0] if rec['error'] else ''}", flush=True)
+    return rec["status"] in ("passed", "measured")
 
 
 def cmd_sweep(args) -> int:
@@ -250,7 +257,8 @@ def cmd_sweep(args) -> int:
     plan([path], overrides)  # bad parameters: one sentence before any run
     target = Path(args.out) if args.out else results.path_of(path.stem, path.parent)
     jobs = [(s, "") for s in seeds] + [(s, c) for c in controls for s in control_seeds]
-    runs = results.sweep(path, jobs, overrides, n_jobs=args.jobs, cell_timeout=args.cell_timeout)
+    with zygote.warm():  # its `lab run` processes inherit it
+        runs = results.sweep(path, jobs, overrides, n_jobs=args.jobs, cell_timeout=args.cell_timeout)
     data = results.write(target, path.stem, runs, overrides, controls, keep_controls=args.no_controls)
     print(results.summary(data))
     return 0 if results.holds(data) else 1

@@ -3,6 +3,7 @@ several tests read (each notebook is executed once per session through the real 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -40,8 +41,21 @@ def setup_cell(path: Path) -> str:
     return [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"][1].source
 
 
+_WARM = contextlib.ExitStack()  # this test process's zygote (`lab.core.zygote`), started at its first `run_lab`
+
+
+def pytest_unconfigure(config):
+    _WARM.close()
+
+
 def run_lab(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m lab ...` in a subprocess, exactly as a user runs it (`env`: variables added to the environment)."""
+    """`python -m lab ...` in a subprocess, exactly as a user runs it (`env`: variables added to the environment).
+    Its kernels are forked from this test process's zygote, as `lab run all` forks them from its own; a run whose
+    `env` changes what the zygote's imports read gets plain kernels."""
+    if not os.environ.get("LAB_KERNEL_ZYGOTE"):
+        from lab.core import zygote
+
+        _WARM.enter_context(zygote.warm())
     return subprocess.run([sys.executable, "-m", "lab", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 

@@ -1,0 +1,96 @@
+"""Kernels forked from the zygote (`lab.core.zygote`) against plain `ipykernel_launcher` kernels: the same outputs for
+what a notebook sees (working directory, per-run variables, transformers' log lines, tqdm's notebook bar, plotly's
+renderer, torch), interrupts reach them, they die with their launcher, and whatever cannot be served warm falls back
+to a plain kernel."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from lab.core import zygote
+
+pytestmark = pytest.mark.notebook
+
+PROBE = [
+    "import os, sys\nwarm = 'torch' in sys.modules  # before this notebook imported anything\n"
+    "print(os.getcwd(), os.environ.get('LAB_RECORD_FILE'), 'JPY_PARENT_PID' in os.environ)",
+    "from transformers.utils import logging as tl\n"
+    "tl.get_logger('transformers.probe').warning('a transformers warning')",
+    "from tqdm.auto import tqdm\nprint(tqdm.__mro__[1].__name__)",
+    "import plotly.io as pio\nprint(pio.renderers.default)",
+    "import torch\nprint(torch.ones(300, 300).matmul(torch.ones(300, 300))[0, 0].item())",
+    "print(os.getpid(), warm)",
+]
+
+
+def execute(cells: list[str], cwd, **kw) -> list[list[str]]:
+    """Each cell's stream outputs (text), run in a kernel started by the runner's kernel manager."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    NotebookClient(nb, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}, shutdown_kernel="immediate",
+                   kernel_manager_class=zygote.kernel_manager(), **kw).execute()
+    return [[o.get("text", "") for o in c.outputs if o.output_type == "stream"] for c in nb.cells]
+
+
+@pytest.fixture(scope="module")
+def warm():
+    with zygote.warm() as path:
+        yield path
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_forked_kernel_behaves_like_a_plain_one(warm, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_RECORD_FILE", str(tmp_path / "records.jsonl"))  # per run: allowed to differ
+    got = execute(PROBE, tmp_path)
+    pid, was_warm = got[-1][0].split()
+    assert was_warm == "True"  # forked after torch was imported
+    monkeypatch.setenv(zygote.ENV, "off")
+    plain = execute(PROBE, tmp_path)
+    assert plain[-1][0].split()[1] == "False"
+    assert got[:-1] == plain[:-1]  # cwd, per-run variable, jupyter's variables, the log line, tqdm, plotly, torch
+    assert got[0] == [f"{tmp_path} {tmp_path / 'records.jsonl'} True\n"]
+    assert "a transformers warning" in got[1][0] and got[2] == ["tqdm_notebook\n"]
+    deadline = time.monotonic() + 5  # the launcher was killed (immediate shutdown): its kernel follows
+    while alive(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(int(pid))
+
+
+def test_an_interrupt_reaches_the_forked_kernel(warm, tmp_path):
+    got = execute(["import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('interrupted')",
+                   "import sys\nprint('torch' in sys.modules)"], tmp_path, timeout=4, interrupt_on_timeout=True,
+                  allow_errors=True)
+    assert got == [["interrupted\n"], ["True\n"]]
+
+
+@pytest.mark.parametrize("case", ["environment", "no zygote"])
+def test_what_cannot_be_served_warm_starts_plain(warm, tmp_path, monkeypatch, case):
+    """A variable the zygote's imports may have read differs (their state would be stale), or the exported path
+    is not a serving zygote (one that refused to serve leaves a plain file): a plain kernel, at once."""
+    if case == "environment":
+        monkeypatch.setenv("HF_HOME", str(tmp_path))
+    else:
+        (tmp_path / "sock").touch()
+        monkeypatch.setenv(zygote.ENV, str(tmp_path / "sock"))
+    t0 = time.monotonic()
+    assert execute(["import sys\nprint('torch' in sys.modules)"], tmp_path) == [["False\n"]]
+    assert time.monotonic() - t0 < 30
+
+
+def test_env_differences_ignore_only_per_run_variables():
+    base = {"A": "1", "HF_HOME": "/x", "LAB_RECORD_FILE": "r1", "JPY_PARENT_PID": "1"}
+    env = {"A": "1", "HF_HOME": "/y", "LAB_RECORD_FILE": "r2", "JPY_SESSION_NAME": "s", "PYTEST_CURRENT_TEST": "t",
+           "NEW": "v"}
+    assert zygote.env_differences(base, env) == ["HF_HOME", "NEW"]
