@@ -19,9 +19,10 @@ its weight 0 when unselected, as the official trainer does, so the processes sta
 Metrics on held-out target inputs (the last `held_out` rows; the paper's offline protocol answers the very inputs it
 adapted on, which this path does not score): the input perplexity exp(mean_i CE_i) (Obs. 1's input PPL, as the toy);
 given reference answers, the output perplexity exp(token-mean NLL of the answers given the templated input), the
-greedy answers' exact match (after "####" and on the final number when the reference's final answer is a number, as
-GSM8K-style EM) and word ROUGE-L F1 (the paper's R-Lsum family). Forgetting (Fig. 2): the perplexity of `orig_data`
-text blocks before (adapters off) and after each arm. Measurements only: nothing here is a claim.
+greedy answers' exact match (final answers as `lab.data.answers` reads them — after "####", in \boxed{}, else the
+last number — when the reference's is a number, as GSM8K-style EM) and word ROUGE-L F1 (the paper's R-Lsum family).
+Forgetting (Fig. 2): the perplexity of `orig_data` text blocks before (adapters off) and after each arm.
+Measurements only: nothing here is a claim.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from lab.adapt.loop import AdaptLog, Objective
 from lab.align import hf_prefs
 from lab.core import progress
 from lab.core.params import ParamError
+from lab.data.answers import answer_of, reference_answer
 
 INPUTS = ("question", "problem", "instruction", "prompt", "text")  # the input column: the first of these present
 ANSWERS = ("answer", "output", "response")  # the reference answer column, if any
@@ -110,17 +112,13 @@ def encode(tokenizer, text: str, max_len: int) -> list[int]:
     return hf_prefs.encode_prompt(tokenizer, prompt, max_len)
 
 
-def final_answer(text: str) -> str:
-    """The reference's final answer: after GSM8K's "####" if present, stripped and lower-cased."""
-    return text.split("####")[-1].strip().lower()
-
-
 def exact_match(pred: str, ref: str) -> bool:
-    """A numeric final answer against the prediction's last number; otherwise the whitespace-normalised texts."""
-    want = final_answer(ref).replace(",", "")
+    """A numeric reference answer (`lab.data.answers.reference_answer`: after GSM8K's "####" or in \\boxed{}) against
+    the prediction's final answer (`answer_of`: after its "####", in its \\boxed{}, else its last number); otherwise
+    the whitespace-normalised, lower-cased texts."""
+    want = reference_answer(ref)
     if re.fullmatch(r"-?\d+(\.\d+)?", want):
-        nums = re.findall(r"-?\d+(?:\.\d+)?", pred.replace(",", ""))
-        return bool(nums) and float(nums[-1]) == float(want)
+        return answer_of(pred) == want
     norm = lambda s: " ".join(s.lower().split()).strip(" .")
     return norm(pred) == norm(ref)
 

@@ -13,8 +13,10 @@ Three pieces, one module:
   stands in for it: jupyter_client's interrupts and terminations reach the launcher and are forwarded; when the
   launcher dies (even by SIGKILL, nbclient's immediate shutdown) the kernel's lifeline pipe closes and it exits;
   the launcher exits when the kernel does. Anything that cannot be served warm falls back, silently, to the plain
-  launcher: no zygote, a dead zygote, or an environment differing from the zygote's in anything but the per-run
-  variables (`PER_RUN`), since modules already imported have read theirs.
+  launcher: no zygote, a dead zygote, or an environment differing from the zygote's in a variable the preloaded
+  libraries may read when imported (`IMPORT_TIME`: Hugging Face's, torch's, the thread pools', Python's, the lab's —
+  their values are already read); other variables (a run's record file, jupyter's, `CUBLAS_WORKSPACE_CONFIG`,
+  which `lab.core.setup` sets) are simply the kernel's, as the launcher's environment becomes the kernel's.
 
 What the fork changes, and how the kernel is made the same as a plain one: loggers' stream handlers created during
 the preload write to the kernel's stderr (as they would have, created inside it), `tqdm.auto` is chosen again inside
@@ -47,7 +49,10 @@ from pathlib import Path
 ENV = "LAB_KERNEL_ZYGOTE"
 PRELOAD = ("torch", "transformers", "lab.core", "lab.models", "ipykernel.kernelapp", "ipykernel.ipkernel")
 NOT_PRELOADED = ("plotly", "matplotlib")  # they choose their output for IPython at import time
-PER_RUN = ("LAB_RECORD_FILE", "PYTEST_CURRENT_TEST", "JPY_", "PYDEVD_DISABLE_FILE_VALIDATION")
+IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "SAFETENSORS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "CUDA_",
+               "NCCL_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "TRITON_", "PYTHON", "LD_", "TQDM_", "XDG_",
+               "HOME", "LANG", "LC_", "TZ", "JUPYTER_", "IPYTHON", "MPL", "PLOTLY", "LAB_")
+PER_RUN = ("LAB_RECORD_FILE",)  # read by the kernel's cells, not at import
 _MSG = 1 << 20
 
 
@@ -96,13 +101,13 @@ def _served() -> str:
     return "" if path == "off" else path
 
 
-def _per_run(key: str) -> bool:
-    return any(key == p or (p.endswith("_") and key.startswith(p)) for p in PER_RUN)
+def _read_at_import(key: str) -> bool:
+    return key not in PER_RUN and key.startswith(IMPORT_TIME)
 
 
 def env_differences(base: dict, env: dict) -> list[str]:
-    """The variables in which `env` differs from `base`, other than the per-run ones."""
-    return sorted(k for k in set(base) | set(env) if base.get(k) != env.get(k) and not _per_run(k))
+    """The variables that preloaded libraries may have read at import in which `env` differs from `base`."""
+    return sorted(k for k in set(base) | set(env) if base.get(k) != env.get(k) and _read_at_import(k))
 
 
 # --------------------------------------------------------------------------------------------- the launcher
@@ -163,7 +168,8 @@ def serve(path: str) -> None:
         print(f"lab.core.zygote: not serving ({e}); kernels start plain", file=sys.stderr)
         return
     preload_env = {k: v for k, v in os.environ.items() if base.get(k) != v}  # what the imports set, as they would
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # kernels are reaped by the kernel
+    base, refused = dict(os.environ), set()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the OS reaps the kernels
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     srv.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # appears only once it can be served
@@ -175,7 +181,13 @@ def serve(path: str) -> None:
         with conn:
             msg, fds, _, _ = socket.recv_fds(conn, _MSG, 8)
             req = json.loads(msg)
-            if len(fds) != 5 or env_differences(base, req["env"]):
+            diff = env_differences(base, {**req["env"], **preload_env})
+            _log(f"plain kernel: the environment differs in {', '.join(diff)}" if diff else "forked kernel")
+            if len(fds) != 5 or diff:
+                if tuple(diff) not in refused:  # said once per set of variables
+                    refused.add(tuple(diff))
+                    print(f"lab.core.zygote: a plain kernel: the environment differs in {', '.join(diff)}",
+                          file=sys.stderr)
                 for fd in fds:
                     os.close(fd)
                 conn.send(b"{}")
@@ -188,6 +200,13 @@ def serve(path: str) -> None:
             for fd in fds:
                 os.close(fd)
             conn.send(json.dumps({"pid": pid}).encode())
+
+
+def _log(line: str) -> None:
+    """A line per kernel request in `LAB_KERNEL_ZYGOTE_LOG`, when set (to see how many kernels a run forked)."""
+    if os.environ.get("LAB_KERNEL_ZYGOTE_LOG"):
+        with open(os.environ["LAB_KERNEL_ZYGOTE_LOG"], "a") as f:
+            f.write(f"{os.getpid()} {line}\n")
 
 
 def _kernel(req: dict, fds: list[int]) -> None:

@@ -68,6 +68,8 @@ def test_exact_match_by_hand():
     assert not tc.exact_match("1234 then 12", "#### 1234")  # the last number counts
     assert tc.exact_match("  The Nile. ", "the nile")
     assert not tc.exact_match("the nile river", "the nile")
+    assert tc.exact_match("12 apples; #### 7 left, so 8 tomorrow", "#### 7")  # the prediction's own marker counts
+    assert tc.exact_match("so \\boxed{3.50} in all", "\\boxed{3.5}") and not tc.exact_match("none", "#### 3")
 
 
 def _saved(tmp_path):

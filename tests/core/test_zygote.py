@@ -18,7 +18,8 @@ pytestmark = pytest.mark.notebook
 
 PROBE = [
     "import os, sys\nwarm = 'torch' in sys.modules  # before this notebook imported anything\n"
-    "print(os.getcwd(), os.environ.get('LAB_RECORD_FILE'), 'JPY_PARENT_PID' in os.environ)",
+    "print(os.getcwd(), os.environ.get('LAB_RECORD_FILE'), 'JPY_PARENT_PID' in os.environ,\n"
+    "      os.environ.get('CUBLAS_WORKSPACE_CONFIG'))",
     "from transformers.utils import logging as tl\n"
     "tl.get_logger('transformers.probe').warning('a transformers warning')",
     "from tqdm.auto import tqdm\nprint(tqdm.__mro__[1].__name__)",
@@ -52,7 +53,8 @@ def alive(pid: int) -> bool:
 
 
 def test_a_forked_kernel_behaves_like_a_plain_one(warm, tmp_path, monkeypatch):
-    monkeypatch.setenv("LAB_RECORD_FILE", str(tmp_path / "records.jsonl"))  # per run: allowed to differ
+    monkeypatch.setenv("LAB_RECORD_FILE", str(tmp_path / "records.jsonl"))  # per run
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # set after the zygote started, as `setup` does
     got = execute(PROBE, tmp_path)
     pid, was_warm = got[-1][0].split()
     assert was_warm == "True"  # forked after torch was imported
@@ -60,7 +62,7 @@ def test_a_forked_kernel_behaves_like_a_plain_one(warm, tmp_path, monkeypatch):
     plain = execute(PROBE, tmp_path)
     assert plain[-1][0].split()[1] == "False"
     assert got[:-1] == plain[:-1]  # cwd, per-run variable, jupyter's variables, the log line, tqdm, plotly, torch
-    assert got[0] == [f"{tmp_path} {tmp_path / 'records.jsonl'} True\n"]
+    assert got[0] == [f"{tmp_path} {tmp_path / 'records.jsonl'} True :16:8\n"]
     assert "a transformers warning" in got[1][0] and got[2] == ["tqdm_notebook\n"]
     deadline = time.monotonic() + 5  # the launcher was killed (immediate shutdown): its kernel follows
     while alive(int(pid)) and time.monotonic() < deadline:
@@ -89,8 +91,8 @@ def test_what_cannot_be_served_warm_starts_plain(warm, tmp_path, monkeypatch, ca
     assert time.monotonic() - t0 < 30
 
 
-def test_env_differences_ignore_only_per_run_variables():
-    base = {"A": "1", "HF_HOME": "/x", "LAB_RECORD_FILE": "r1", "JPY_PARENT_PID": "1"}
-    env = {"A": "1", "HF_HOME": "/y", "LAB_RECORD_FILE": "r2", "JPY_SESSION_NAME": "s", "PYTEST_CURRENT_TEST": "t",
-           "NEW": "v"}
-    assert zygote.env_differences(base, env) == ["HF_HOME", "NEW"]
+def test_env_differences_are_the_variables_imports_read():
+    base = {"A": "1", "HF_HOME": "/x", "LAB_RECORD_FILE": "r1", "JPY_PARENT_PID": "1", "TORCH_HOME": "/t"}
+    env = {"A": "2", "HF_HOME": "/y", "LAB_RECORD_FILE": "r2", "JPY_SESSION_NAME": "s", "CUBLAS_WORKSPACE_CONFIG": ":8",
+           "LAB_QUIET": "1", "OMP_NUM_THREADS": "1"}
+    assert zygote.env_differences(base, env) == ["HF_HOME", "LAB_QUIET", "OMP_NUM_THREADS", "TORCH_HOME"]
