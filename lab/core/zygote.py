@@ -47,7 +47,9 @@ from functools import cache
 from pathlib import Path
 
 ENV = "LAB_KERNEL_ZYGOTE"
-PRELOAD = ("torch", "transformers", "lab.core", "lab.models", "ipykernel.kernelapp", "ipykernel.ipkernel")
+PRELOAD = ("torch", "transformers", "sklearn", "lab.core", "lab.models", "ipykernel.kernelapp", "ipykernel.ipkernel")
+# (sklearn: several notebooks use it, and it sets Intel OpenMP's KMP_ variables at import, as joblib does: a runner
+# that imported it would otherwise differ from the zygote in them)
 NOT_PRELOADED = ("plotly", "matplotlib")  # they choose their output for IPython at import time
 IMPORT_TIME = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "SAFETENSORS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "CUDA_",
                "NCCL_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "TRITON_", "PYTHON", "LD_", "TQDM_", "XDG_",
