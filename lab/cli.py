@@ -150,6 +150,9 @@ def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeou
     fd, jsonl = tempfile.mkstemp(suffix=".jsonl")
     os.close(fd)
     os.environ["LAB_RECORD_FILE"] = jsonl
+    served = os.environ.get(zygote.ENV)
+    if params["scale"] != "smoke":  # the zygote's imports ran with smoke scale's HF_HUB_OFFLINE=1: a plain kernel
+        os.environ[zygote.ENV] = "off"
     status, error, t0 = "passed", None, time.perf_counter()
     # The kernel is stopped at once after the last cell: a graceful shutdown (nbclient's default) idles ~3 s per run
     # before the kernel exits, ~100 runs in one CI run. Nothing is left to flush by then: records are appended and
@@ -171,6 +174,10 @@ def run_one(path: Path, overrides: dict, params: dict, out: Path, *, cell_timeou
         status, error = "error", f"{type(e).__name__}: {e}"
     finally:
         os.environ.pop("LAB_RECORD_FILE", None)
+        if served is not None:
+            os.environ[zygote.ENV] = served
+        elif params["scale"] != "smoke":
+            os.environ.pop(zygote.ENV, None)
     seconds = time.perf_counter() - t0
     records = read_jsonl(Path(jsonl))
     claims, metrics = records["claims"], records["metrics"]

@@ -4,9 +4,10 @@ each; a CI run starts ~110 kernels on two cores).
 
 Three pieces, one module:
 
-- `warm()` (the runner, `lab.cli`): starts `python -m lab.core.zygote --serve SOCKET` and exports
-  `LAB_KERNEL_ZYGOTE=SOCKET`, which `lab run` processes and their kernels inherit (a test session starts one per
-  worker, `tests/conftest.py`); without it every kernel is a plain `ipykernel_launcher`.
+- `warm()` (the runner, `lab.cli`; it serves smoke-scale runs, on a CPU-only torch build): starts
+  `python -m lab.core.zygote --serve SOCKET` and exports `LAB_KERNEL_ZYGOTE=SOCKET`, which `lab run` processes
+  and their kernels inherit (a test session starts one per worker, `tests/conftest.py`); without it every kernel is
+  a plain `ipykernel_launcher`.
 - `kernel_manager()`: the runner's kernel manager; with a zygote exported, it starts kernels through
   `python -m lab.core.zygote -f CONNECTION_FILE` (the launcher) instead of `-m ipykernel_launcher`.
 - the launcher asks the zygote to fork a kernel with its own stdio, working directory, environment and argv, then
@@ -159,6 +160,14 @@ def serve(path: str) -> None:
     """Preload, then fork a kernel for each request until the process that started it exits."""
     parent, base = os.getppid(), dict(os.environ)
     try:
+        import torch
+
+        if torch.version.cuda or torch.version.hip:
+            raise RuntimeError("a GPU build of torch: CUDA must not be initialised before a fork")
+        # What `lab.core.setup` sets before its own imports at smoke scale on a CPU machine (the runner sends only
+        # smoke-scale runs here): triton and huggingface_hub read these when imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ["HF_HUB_OFFLINE"] = "1"
         for name in PRELOAD:
             importlib.import_module(name)
         threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]

@@ -96,3 +96,14 @@ def test_env_differences_are_the_variables_imports_read():
     env = {"A": "2", "HF_HOME": "/y", "LAB_RECORD_FILE": "r2", "JPY_SESSION_NAME": "s", "CUBLAS_WORKSPACE_CONFIG": ":8",
            "LAB_QUIET": "1", "OMP_NUM_THREADS": "1"}
     assert zygote.env_differences(base, env) == ["HF_HOME", "LAB_QUIET", "OMP_NUM_THREADS", "TORCH_HOME"]
+
+
+def test_the_zygote_imports_with_what_setup_sets_first(tmp_path, monkeypatch):
+    """`lab run` outside the tests sets neither TRITON_INTERPRET nor HF_HUB_OFFLINE: `lab.core.setup` sets them in the
+    kernel before triton and huggingface_hub load, so the zygote must have imported them with those values too."""
+    for var in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", zygote.ENV):
+        monkeypatch.delenv(var, raising=False)
+    with zygote.warm():
+        got = execute(["import os, sys, huggingface_hub.constants as c\nprint('triton' in sys.modules, "
+                       "os.environ.get('TRITON_INTERPRET'), c.HF_HUB_OFFLINE)"], tmp_path)
+    assert got == [["True 1 True\n"]]  # forked after triton loaded, with the interpreter and the hub offline
