@@ -38,7 +38,7 @@ from torch import Tensor
 from lab.adapt import tlm
 from lab.adapt.entropy_tta import tent_objective
 from lab.adapt.loop import AdaptLog, Objective
-from lab.align import hf_prefs
+from lab.align import hf_batch, hf_prefs
 from lab.core import progress
 from lab.core.params import ParamError
 from lab.data.answers import answer_of, reference_answer
@@ -61,7 +61,7 @@ class Config:
     select_frac: float = 0.9
     lamb: float = 0.1  # SEL's λ
     tent_tokens: int = 8  # Tent's continuation length k (paper: 80); 0 skips Tent
-    max_len: int = 512  # tokens per templated input (its end kept, as `hf_prefs.encode_prompt`)
+    max_len: int = 512  # tokens per templated input (its end kept, as `hf_batch.encode_prompt`)
     max_new_tokens: int = 64  # greedy answer length
     orig_blocks: int = 16  # forgetting: blocks of `orig_data`
     block_len: int = 128
@@ -109,7 +109,7 @@ def target_rows(data: str, *, n: int, seed: int = 0) -> list[dict]:
 def encode(tokenizer, text: str, max_len: int) -> list[int]:
     """The input as one user turn (chat template when the tokenizer has one), its last `max_len` tokens."""
     prompt = [{"role": "user", "content": text}] if getattr(tokenizer, "chat_template", None) else text
-    return hf_prefs.encode_prompt(tokenizer, prompt, max_len)
+    return hf_batch.encode_prompt(tokenizer, prompt, max_len)
 
 
 def exact_match(pred: str, ref: str) -> bool:
@@ -213,7 +213,7 @@ def answer_nll(model, ids: list[list[int]], answers: list[list[int]], *, pad: in
 
     nll, count, dev = 0.0, 0, _device(model)
     for i in range(0, len(ids), batch_size):
-        batch = hf_prefs.pad_batch([[(p, a)] for p, a in zip(ids[i:i + batch_size], answers[i:i + batch_size])], pad)
+        batch = hf_batch.pad_batch([[(p, a)] for p, a in zip(ids[i:i + batch_size], answers[i:i + batch_size])], pad)
         nll -= sequence_logprobs(model, {k: v.to(dev) for k, v in batch.items()}).sum().item()
         count += int(batch["response_mask"].sum())
     return nll, count
@@ -222,7 +222,7 @@ def answer_nll(model, ids: list[list[int]], answers: list[list[int]], *, pad: in
 @torch.no_grad()
 def greedy(model, tokenizer, ids: list[list[int]], *, max_new_tokens: int, batch_size: int = 8) -> list[str]:
     """Greedy answers (left-padded `generate`, cut at EOS), decoded."""
-    pad, out = hf_prefs.pad_id(tokenizer), []
+    pad, out = hf_batch.pad_id(tokenizer), []
     for i in range(0, len(ids), batch_size):
         x, mask = _pad(ids[i:i + batch_size], pad, _device(model), left=True)
         y = model.generate(input_ids=x, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
@@ -235,11 +235,11 @@ def scores(model, tokenizer, held: list[dict], cfg: Config, orig: Tensor | None 
     """The paper's metrics of the active model on held-out rows (module docstring) and the `orig` blocks' PPL."""
     from lab.data.domains import rouge_l
 
-    pad, bs = hf_prefs.pad_id(tokenizer), cfg.batch_size
+    pad, bs = hf_batch.pad_id(tokenizer), cfg.batch_size
     ids = [encode(tokenizer, r["input"], cfg.max_len) for r in held]
     out = {"input PPL": input_ce(model, ids, pad=pad, batch_size=bs).mean().exp().item()}
     if held and held[0]["answer"] is not None:
-        answers = [hf_prefs.encode_response(tokenizer, r["answer"])[:cfg.max_new_tokens] for r in held]
+        answers = [hf_batch.encode_response(tokenizer, r["answer"])[:cfg.max_new_tokens] for r in held]
         nll, count = answer_nll(model, ids, answers, pad=pad, batch_size=bs)
         preds = greedy(model, tokenizer, ids, max_new_tokens=cfg.max_new_tokens, batch_size=bs)
         out |= {"output PPL": math.exp(nll / count),
@@ -284,7 +284,7 @@ def study(model, tokenizer, rows: list[dict], cfg: Config, *, orig: Tensor | Non
         raise ParamError(f"the model has no {'/'.join(sorted(set(cfg.targets) - leaves))} layers, the paper's LoRA "
                          "targets (W_q, W_v of a Llama-style attention).")
     train, held = rows[:-cfg.held_out], rows[-cfg.held_out:]
-    dev, pad = _device(model), hf_prefs.pad_id(tokenizer)
+    dev, pad = _device(model), hf_batch.pad_id(tokenizer)
     ids = [encode(tokenizer, r["input"], cfg.max_len) for r in train]
     ce0 = input_ce(model, ids, pad=pad, batch_size=cfg.batch_size)
     threshold = cfg.log_p0 if cfg.log_p0 > 0 else torch.quantile(ce0, 1 - cfg.select_frac).item()

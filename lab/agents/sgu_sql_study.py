@@ -20,10 +20,12 @@ import sqlglot
 from sqlglot import exp
 
 from lab.agents import sgu_sql as sg
+from lab.agents import sgu_sql_linker as sl
 from lab.agents.backends import Offline
 from lab.agents.sgu_sql_writer import mask
 from lab.core.stages import stage
 from lab.data import sql_exec as sx
+from lab.data import sql_plans as sp
 from lab.data import sql_worlds as sw
 
 ARMS = ("direct", "direct+linker", "sgu", "no_linker", "random_order", "oracle")
@@ -72,7 +74,7 @@ def questions(cfg: Config, seed: int) -> tuple[list[sw.Item], list[sw.Item], lis
     names = sorted(sw.DOMAINS)
     rng.shuffle(names)
     tr, te = names[:cfg.n_train_domains], names[cfg.n_train_domains:]
-    make = lambda d, n, tag: sw.make_items(sw.make_schema(d), n, random.Random(f"{seed}:{d}:{tag}"))
+    make = lambda d, n, tag: sp.make_items(sw.make_schema(d), n, random.Random(f"{seed}:{d}:{tag}"))
     return ([it for d in tr for it in make(d, cfg.per_domain_train, "train")],
             [it for d in te for it in make(d, cfg.per_domain_test, "test")], tr, te)
 
@@ -110,8 +112,8 @@ def train_linker(world: World, cfg: Config, seed: int):
 def _train_linker(train: list[sw.Item], schemas: dict, domains: list[str], cfg: Config, seed: int):
     vocab = vocab_of(train, schemas, domains)
     graphs = [sg.build_graph(sw.tokenize(it.question), schemas[it.db_id], vocab) for it in train]
-    labels = [sg.gold_labels(g, it) for g, it in zip(graphs, train, strict=True)]
-    model = sg.train_linker(graphs, labels, len(vocab) + 1, steps=cfg.linker_steps, batch=cfg.linker_batch,
+    labels = [sl.gold_labels(g, it) for g, it in zip(graphs, train, strict=True)]
+    model = sl.train_linker(graphs, labels, len(vocab) + 1, steps=cfg.linker_steps, batch=cfg.linker_batch,
                             lr=cfg.linker_lr, d=cfg.d, seed=seed)
     return model, vocab
 
@@ -204,7 +206,7 @@ def _run_arm(world, writer, linker, vocab, arm, seed, backend=None, items=None) 
         writer.prime([" ".join(mask(sw.tokenize(it.question), world.schemas[it.db_id])[0]) for it in items])
     graphs = [sg.build_graph(sw.tokenize(it.question), world.schemas[it.db_id], vocab) for it in items]
     rng, out = random.Random(seed), []
-    for it, g, pr in zip(items, graphs, sg.predict(linker, graphs), strict=True):
+    for it, g, pr in zip(items, graphs, sl.predict(linker, graphs), strict=True):
         schema = world.schemas[it.db_id]
         links = (None if arm in ("direct", "no_linker") else sg.oracle_links(it, schema) if arm == "oracle"
                  else sg.link(g, schema, pr))
@@ -233,7 +235,7 @@ def linker_quality(world: World, linker, vocab) -> dict[str, float]:
     """Held-out column-link precision/recall, and accuracy on ambiguous words (the right table among several)."""
     tp = fp = fn = amb_ok = amb_n = 0
     graphs = [sg.build_graph(sw.tokenize(it.question), world.schemas[it.db_id], vocab) for it in world.test]
-    for it, g, pr in zip(world.test, graphs, sg.predict(linker, graphs), strict=True):
+    for it, g, pr in zip(world.test, graphs, sl.predict(linker, graphs), strict=True):
         got = set(sg.link(g, world.schemas[it.db_id], pr)["columns"])
         gold = set(sg.oracle_links(it, world.schemas[it.db_id])["columns"])
         tp, fp, fn = tp + len(got & gold), fp + len(got - gold), fn + len(gold - got)
@@ -251,7 +253,7 @@ def ask(world: World, backend, linker, vocab, db_id: str, question: str) -> dict
     schema, db = world.schemas[db_id], world.dbs[db_id]
     words = sw.tokenize(question)
     g = sg.build_graph(words, schema, vocab)
-    links = sg.link(g, schema, sg.predict(linker, [g])[0])
+    links = sg.link(g, schema, sl.predict(linker, [g])[0])
     res = sg.generate(backend, schema, question, links, "sgu")
     steps = []
     for clause, partial in res["steps"]:

@@ -23,6 +23,7 @@ from collections import Counter
 
 from lab.agents import sgu_sql as sg
 from lab.core.stages import key_of, stage
+from lab.data import sql_plans as sp
 from lab.data import sql_worlds as sw
 
 # ------------------------------------------------------------------ masking, skeleton labels, grounding
@@ -88,7 +89,7 @@ def ground_tab(word: str, schema: sw.Schema) -> str:
 
 def decode(labels: dict[str, str], mentions: dict, schema: sw.Schema, linked: set[str], context: list[str],
            main: str | None = None) -> dict:
-    """Skeleton labels + grounding → a plan `sw.render_clauses` renders."""
+    """Skeleton labels + grounding → a plan `sp.render_clauses` renders."""
     get = lambda ref, i=0: mentions[ref[:3]][int(ref[3:])] if int(ref[3:]) < len(mentions[ref[:3]]) else "0"
     val = lambda ref: (lambda w: w.strip("'") if w.startswith("'") else int(float(w)))(get(ref))
     col = lambda ref, ctx=context: ground_col(get(ref), schema, linked, ctx)
@@ -191,8 +192,8 @@ class ClauseWriter:
         try:  # a skeleton that does not fit this schema is an unwritable answer, as an LLM's would be
             plan = decode(labels, mentions, schema, linked, context, main)
             if clause == "query":
-                return sw.render_sql(schema, plan)
-            return sw.render_clauses(schema, plan)[clause] or "NONE"
+                return sp.render_sql(schema, plan)
+            return sp.render_clauses(schema, plan)[clause] or "NONE"
         except (IndexError, KeyError, ValueError):
             return "NONE"
 

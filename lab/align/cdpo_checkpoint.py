@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lab.align import cdpo as C
-from lab.align import hf_prefs
+from lab.align import hf_batch, hf_prefs
 from lab.align.train import token_logprobs
 from lab.core.params import ParamError
 from lab.data.answers import answer_of, reference_answer
@@ -140,7 +140,7 @@ def epochs_to_steps(n: int, epochs: float, cfg: hf_prefs.Config) -> int:
 
 def sft(model, samples: list[Sample], cfg: hf_prefs.Config, name: str, *, pad: int = 0, quiet: bool | None = None):
     """LoRA adapter `name` fine-tuned on (prompt, response) token ids by `sft_loss`: (PeftModel, per-step losses)."""
-    collate = lambda rows: hf_prefs.pad_batch([[s] for s in rows], pad)
+    collate = lambda rows: hf_batch.pad_batch([[s] for s in rows], pad)
     return hf_prefs.fit_adapter(model, samples, cfg, name, collate, lambda policy, _, b: sft_loss(policy, b),
                                 quiet=quiet)
 
@@ -152,7 +152,7 @@ def token_scores(model, samples: list[Sample], *, pos: str = "P_p", neg: str = "
     out, device = [], next(model.parameters()).device
     for i in range(0, len(samples), batch_size):
         chunk = samples[i:i + batch_size]
-        b = hf_prefs.pad_batch([[s] for s in chunk], pad)
+        b = hf_batch.pad_batch([[s] for s in chunk], pad)
         ids, att = b["input_ids"][:, 0].to(device), b["attention_mask"][:, 0].to(device)
         lp, ln = (hf_prefs.use(model, a)(input_ids=ids, attention_mask=att).logits[:, :-1].float() for a in (pos, neg))
         z = (1 + beta) * lp - beta * ln  # (B, T−1, V): position t scores token t+1
@@ -212,7 +212,7 @@ def contrastive_estimation(model, tokenizer, tr: Trajectories, cfg: Config, *, q
     if not pos or not neg:
         raise ParamError(f"the {len(sel)} problems × {cfg.K} samples give {len(pos)} correct and {len(neg)} wrong "
                          "trajectories for P_p / P_n; CE needs both: raise n_samples or pass other problems.")
-    pad, info = hf_prefs.pad_id(tokenizer), {"P_p data": len(pos), "P_n data": len(neg)}
+    pad, info = hf_batch.pad_id(tokenizer), {"P_p data": len(pos), "P_n data": len(neg)}
     for name, data in (("P_p", pos), ("P_n", neg)):
         c = replace(cfg.sft, steps=epochs_to_steps(len(data), cfg.sft_epochs, cfg.sft))
         model, losses = sft(model, data, c, name, pad=pad, quiet=quiet)
@@ -227,7 +227,7 @@ def contrastive_estimation(model, tokenizer, tr: Trajectories, cfg: Config, *, q
 def pair_batch(rows: list[dict], pad: int = 0) -> dict[str, Tensor]:
     """Rows {chosen, rejected: Sample, s: (len(y_l),)} -> the padded (B, 2, T) batch and s (B, T − 1) placed at the
     positions that predict the rejected response's tokens (0 elsewhere)."""
-    b = hf_prefs.pad_batch([[r["chosen"], r["rejected"]] for r in rows], pad)
+    b = hf_batch.pad_batch([[r["chosen"], r["rejected"]] for r in rows], pad)
     s = torch.zeros(len(rows), b["input_ids"].shape[-1] - 1)
     for i, r in enumerate(rows):
         P = len(r["rejected"][0])
@@ -289,7 +289,7 @@ def study(model, tokenizer, problems: list[dict], cfg: Config, *, arms: bool = T
     if not train or not test:
         raise ParamError(f"{len(train)} training and {len(test)} held-out problems have both a correct and a wrong "
                          "trajectory; the arms need both: raise n_samples or n_problems.")
-    pad = hf_prefs.pad_id(tokenizer)
+    pad = hf_batch.pad_id(tokenizer)
     for name, weighted in (("dpo", False), ("cdpo", True)):
         c = replace(cfg.arm, steps=epochs_to_steps(len(train), cfg.epochs, cfg.arm))
         model, _ = train_arm(model, train, c, name, weighted=weighted, pad=pad, quiet=quiet)

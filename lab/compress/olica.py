@@ -25,7 +25,8 @@ Conventions follow the official code where it is more specific than the paper's 
 - **Two passes**: pass 1 rotates every layer and scores it on the dense stream; pass 2 prunes layer by layer, each
   layer seeing the already pruned upstream layers.
 
-The notebook's measurements, toy and checkpoint path live in `lab.compress.olica_study`.
+The notebook's measurements, toy and checkpoint path live in `lab.compress.olica_study`; what the passes capture
+from the model (block inputs, module taps, energies) in `lab.compress.olica_capture`.
 The result is an `OlicaLlamaForCausalLM` (`lab.compress.pruned_llama`): a `LlamaForCausalLM` subclass, because a
 plain Llama cannot hold value heads narrower than Q/K heads, rank-r Q/K or the LC term. Baselines at the same sizes:
 random structured pruning, Wanda-sp (|W|·‖X‖ group sums on the raw neurons, unweighted SVD for Q/K), plain unweighted
@@ -37,13 +38,13 @@ from __future__ import annotations
 import copy
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from lab.compress import pruned_llama as om
+from lab.compress.olica_capture import block_inputs, energy, run_block, taps
 from lab.compress.pruned_llama import OlicaLlamaConfig, OlicaLlamaForCausalLM, param_table  # noqa: F401 (registers)
 from lab.models.spec import TinyLM
 
@@ -188,52 +189,6 @@ def make_plan(model: nn.Module, s: float, k: float, lc_layers=(), lc_ratio: floa
 
 
 # ---------------------------------------------------------------------------------------------- the passes
-
-class _Stop(Exception):
-    pass
-
-
-def block_inputs(model: nn.Module, ids: torch.Tensor):
-    """(hidden states entering block 0, the keyword arguments every block gets: mask, RoPE, positions)."""
-    got = {}
-
-    def hook(mod, args, kwargs):
-        got["x"] = args[0] if args else kwargs.pop("hidden_states")
-        got["kw"] = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "use_cache")}
-        raise _Stop
-
-    h = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        model(input_ids=ids, use_cache=False)
-    except _Stop:
-        pass
-    finally:
-        h.remove()
-    return got["x"], got["kw"]
-
-
-@contextmanager
-def taps(mods: dict[str, nn.Module]):
-    """Capture (input, output) of each named module on the next forward."""
-    got, hs = {}, []
-    for n, m in mods.items():
-        hs.append(m.register_forward_hook(lambda mod, i, o, n=n: got.__setitem__(n, (i[0].detach(), o.detach()))))
-    try:
-        yield got
-    finally:
-        for h in hs:
-            h.remove()
-
-
-def run_block(block: nn.Module, x: torch.Tensor, kw: dict) -> torch.Tensor:
-    out = block(x, **kw)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def energy(x: torch.Tensor) -> torch.Tensor:
-    """Per-channel mean square over all tokens (the official `scaler_row`, up to a constant)."""
-    return x.float().flatten(0, -2).pow(2).mean(0)
-
 
 def rotate(attn: nn.Module, how: str, e_out: torch.Tensor, e_in: torch.Tensor, H: int) -> None:
     """Re-parameterise V/O of one attention module in place (exact: the function is unchanged)."""

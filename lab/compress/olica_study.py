@@ -16,20 +16,8 @@ import torch
 from torch import nn
 
 from lab.compress import pruned_llama as om
-from lab.compress.olica import (
-    METHODS,
-    Config,
-    block_inputs,
-    energy,
-    fast_ond,
-    full_ond,
-    prune,
-    prune_vo,
-    rotate,
-    run_block,
-    taps,
-    vo_scores,
-)
+from lab.compress.olica import METHODS, Config, fast_ond, full_ond, prune, prune_vo, rotate, vo_scores
+from lab.compress.olica_capture import block_inputs, energy, run_block, taps
 from lab.compress.pruned_llama import OlicaLlamaForCausalLM
 
 # ------------------------------------------------------------------------------------- measurements (toy)

@@ -17,6 +17,7 @@ against random heads of the same layers there (`versus_random`, `layer_versus_ra
 model removing *any* heads costs accuracy: what the paper's heads carry is the excess over that. Heads are
 removed with the official operator (`lab.models.hooks.ablate_heads`, which restores the exact weights on
 exit, so no ablated copy leaks into the next configuration; the official notebook reloads the model instead).
+The models under study (the two toys, or a checkpoint) and their prompts are `lab.interp.gather_aggregate_study`.
 """
 
 from __future__ import annotations
@@ -24,18 +25,17 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
 from lab.data.letters import DELIM, LetterRetrieval
-from lab.data.mcq import CategoryMCQ
 from lab.interp import ablation
 from lab.interp.ablation import Evaluate
 from lab.interp.hidden_attention import attention
-from lab.models import TrainConfig, fit, hooks, load_model, tiny_llama, tiny_mamba2
+from lab.models import hooks
 from lab.models.score import choice_accuracy
 
 # the notebook's controls: the substitutions a skeptic would make (`control=` in the notebook)
@@ -95,73 +95,6 @@ class Config:
         sizes = {} if scale == "smoke" else dict(transformer_steps=3000, mamba2_steps=780, n_letter=1000, n_verify=1000,
                                                    n_cloze=300, n_rows=256, n_per_k=500, n_checkpoint=1000)
         return cls(**sizes | (dict(transformer_steps=0, mamba2_steps=0) if control == "untrained" else {}))
-
-
-# ------------------------------------------------------------------------------ what is studied
-
-@dataclass
-class Study:
-    """The models under study, their tokenizer and task, held-out prompts (seeded by 10 000 + seed; the
-    verification prompts by 30 000 + seed), each model's (gather, aggregate) layer pair (a checkpoint's
-    comes from `locate`) and its given G and A."""
-
-    models: dict[str, nn.Module]
-    tokenizer: object
-    task: LetterRetrieval | CategoryMCQ
-    letter_ex: list[dict]
-    cloze_ex: list[dict]
-    pairs: dict[str, tuple[int, int]]
-    heads: dict[str, tuple[tuple[int, int], tuple[int, int]] | None]  # None: the sweep finds G and A
-    info: dict[str, dict]  # per model: what was built or loaded
-    verify_ex: list[dict] = field(default_factory=list)  # letter prompts that did not choose G and A
-
-    def letter(self, model: nn.Module) -> Evaluate:  # retrieval
-        return partial(choice_accuracy, model, self.tokenizer, self.letter_ex, self.task.letters)
-
-    def verify(self, model: nn.Module) -> Evaluate:  # retrieval, on the verification prompts
-        return partial(choice_accuracy, model, self.tokenizer, self.verify_ex, self.task.letters)
-
-    def cloze(self, model: nn.Module) -> Evaluate:  # the knowledge alone (None: each example's choices)
-        return partial(choice_accuracy, model, self.tokenizer, self.cloze_ex, self.task.choices("cloze"))
-
-
-def train_toys(cfg: Config, seed: int, *, device: str = "cpu") -> Study:
-    """The Transformer and the Mamba-2 trained (or loaded from the cache) on the same letter batches."""
-    g = torch.Generator().manual_seed(10_000 + seed)
-    task = LetterRetrieval(max_filler=0, n_questions=cfg.n_questions, n_labels=cfg.n_labels,
-                           n_options=cfg.n_options, min_options=cfg.min_options)
-    V = len(task.tokenizer)
-    builds = {"transformer": (partial(tiny_llama, vocab_size=V, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                                      n_heads=cfg.n_heads), cfg.transformer_steps),
-              "mamba2": (partial(tiny_mamba2, vocab_size=V, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                                 head_dim=cfg.head_dim), cfg.mamba2_steps)}
-    models, info = {}, {}
-    for name, (build, steps) in builds.items():
-        res = fit(build, task, TrainConfig(steps=steps, batch_size=cfg.batch_size, lr=cfg.lr, seed=seed), device=device)
-        models[name] = res.model
-        info[name] = {"parameters": sum(p.numel() for p in res.model.parameters()), "steps": steps,
-                      "final loss": round(res.losses[-1], 4) if steps else float("nan"), "from the cache": res.cached,
-                      "seconds": round(res.seconds)}
-    letter_ex = task.examples(cfg.n_letter, g, "letter", n_options=cfg.eval_options)
-    cloze_ex = task.examples(cfg.n_cloze, g, "cloze")
-    verify_ex = task.examples(cfg.n_verify, torch.Generator().manual_seed(30_000 + seed), "letter",
-                              n_options=cfg.eval_options)
-    return Study(models, task.tokenizer, task, letter_ex, cloze_ex, {name: (0, 1) for name in models},
-                 {name: None for name in models}, info, verify_ex)
-
-
-def load_checkpoint(cfg: Config, model: str, seed: int, *, device: str = "cpu") -> Study:
-    """A checkpoint (`load_model`) on English category MCQs, with the paper's heads where it reports them."""
-    g = torch.Generator().manual_seed(10_000 + seed)
-    net, tok = load_model(model, device=device)
-    task = CategoryMCQ()
-    letter_ex = task.examples(cfg.n_checkpoint, g, "letter")
-    cloze_ex = task.examples(cfg.n_checkpoint, g, "cloze")
-    verify_ex = task.examples(cfg.n_checkpoint, torch.Generator().manual_seed(30_000 + seed), "letter")
-    heads = paper_heads(model)
-    return Study({"checkpoint": net}, tok, task, letter_ex, cloze_ex, {}, {"checkpoint": heads},
-                 {"checkpoint": {"parameters": sum(p.numel() for p in net.parameters()), "paper's heads": heads}},
-                 verify_ex)
 
 
 # ------------------------------------------------------------------------ step 1: the layer level

@@ -11,6 +11,7 @@ import pytest
 from scipy import integrate, stats
 
 from lab.agents import popper as pp
+from lab.agents import popper_agents as pa
 from lab.agents import popper_study as ps
 from lab.agents.backends import Offline
 from lab.agents.sandbox import run_python
@@ -194,22 +195,22 @@ def test_permute_columns_fresh_breaks_rows_shared_keeps_them():
 def test_template_designer_uses_fresh_folds_and_the_judge_scores():
     tables = {"t": pd.DataFrame({"x": np.arange(50.0), "y": np.arange(50.0) % 7})}
     tr = pp.falsify(pp.Hypothesis("x ~ y", (("t", "x", "y", ""),)), ps.schema(tables),
-                    ps.template_designer(5), ps.JUDGE, ps.Executor(tables, 5), CFG, stop=False)
+                    pa.template_designer(5), pa.JUDGE, pa.Executor(tables, 5), CFG, stop=False)
     tests = [r.proposal["test"] for r in tr.rounds]
-    assert [t["fold"] for t in tests] == [0, 1, 2, 3, 4] and [t["kind"] for t in tests][:4] == list(ps.KINDS)
+    assert [t["fold"] for t in tests] == [0, 1, 2, 3, 4] and [t["kind"] for t in tests][:4] == list(pa.KINDS)
     assert all(r.relevance == 1.0 for r in tr.rounds)
     bad = {"name": "n", "test": {"kind": "mean_shift", "y": ""}}
-    assert json.loads(ps._judge(pp.relevance_messages(tr.hypothesis, bad)))["score"] < CFG.relevance
+    assert json.loads(pa._judge(pp.relevance_messages(tr.hypothesis, bad)))["score"] < CFG.relevance
 
 
 def test_executor_matches_scipy_on_the_fold_and_phacking_is_smaller():
     rng = np.random.default_rng(3)
     df = pd.DataFrame({"gene": np.repeat(["A", "B"], 40), "x": rng.normal(size=80), "y": rng.normal(size=80)})
-    ex = ps.Executor({"t": df}, 4)
+    ex = pa.Executor({"t": df}, 4)
     test = {"kind": "kendall", "table": "t", "x": "x", "y": "y", "where": "B", "fold": 1}
     rows = np.arange(40, 80)[1::4]
     assert ex({"test": test})[0] == pytest.approx(stats.kendalltau(df.x[rows], df.y[rows]).pvalue)
-    assert ps.Executor({"t": df}, 4, phack=8)({"test": test})[0] <= ex({"test": test})[0]
+    assert pa.Executor({"t": df}, 4, phack=8)({"test": test})[0] <= ex({"test": test})[0]
     assert ex({"test": {**test, "x": "nope"}})[0] is None and ex({"name": "?"})[0] is None
 
 
@@ -260,7 +261,7 @@ def test_code_writing_agent_end_to_end_through_the_sandbox():
     llm = Offline(lambda m: json.dumps({"score": 0.9}) if "PROPOSAL" in m[-1]["content"] else prop, "fake_llm")
     x = np.arange(30.0)
     tables = {"t": pd.DataFrame({"x": x, "y": np.sin(x)})}
-    tr = pp.falsify(H, ps.schema(tables), llm, llm, ps.Executor(tables, 5), pp.Config.for_scale("smoke", budget=1))
+    tr = pp.falsify(H, ps.schema(tables), llm, llm, pa.Executor(tables, 5), pp.Config.for_scale("smoke", budget=1))
     assert tr.p_values == [pytest.approx(stats.spearmanr(x, np.sin(x)).pvalue)]
 
 

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from lab.agents import sgu_sql as sg
+from lab.agents import sgu_sql_linker as sl
 from lab.agents import sgu_sql_study as st
 from lab.agents import sgu_sql_writer as wr
 from lab.agents.backends import BackendError, Offline
 from lab.data import sql_exec as sx
+from lab.data import sql_plans as sp
 from lab.data import sql_worlds as sw
 
 
@@ -26,7 +28,7 @@ def concerts(tmp_path_factory):
 
 def test_relational_attention_matches_a_per_pair_loop():
     torch.manual_seed(0)
-    layer = sg.RelationalAttention(8, len(sg.REL)).eval()
+    layer = sl.RelationalAttention(8, len(sg.REL)).eval()
     h, rel = torch.randn(1, 5, 8), torch.randint(0, len(sg.REL), (1, 5, 5))
     mask = torch.tensor([[True, True, True, True, False]])
     got = layer(h, rel, torch.nn.functional.one_hot(rel, len(sg.REL)).float(), mask)
@@ -107,7 +109,7 @@ def test_gold_skeletons_with_gold_links_reproduce_the_gold_answers(concerts):
     """The writer's decoding is exact: gold clause skeletons + oracle links → the gold query's result, except where
     one column word names columns of two linked tables (a `Schema_links` list does not say which word is which)."""
     schema, db = concerts
-    items = sw.make_items(schema, 150, random.Random(2))
+    items = sp.make_items(schema, 150, random.Random(2))
     wrong = []
     for it in items:
         _, mentions = wr.mask(sw.tokenize(it.question), schema)
@@ -116,7 +118,7 @@ def test_gold_skeletons_with_gold_links_reproduce_the_gold_answers(concerts):
         plan = wr.decode(wr.skeleton(it), mentions, schema, linked, [t.role[1] for t in it.tokens if t.role[:1] ==
                                                                     ("tab",)])
         try:
-            ok = sx.same_result(sx.execute(db, sw.render_sql(schema, plan)), sx.execute(db, it.sql),
+            ok = sx.same_result(sx.execute(db, sp.render_sql(schema, plan)), sx.execute(db, it.sql),
                                 "ORDER BY" in it.sql)
         except sx.SQLFailure:
             ok = False
@@ -163,7 +165,7 @@ def test_checkpoint_and_spider_folder(tmp_path, concerts):
     from ..conftest import run_lab, save_tiny_lm
 
     schema, db = concerts
-    sx.spider_folder(tmp_path / "spider", sw.make_items(schema, 6, random.Random(0)), {"concerts": db})
+    sx.spider_folder(tmp_path / "spider", sp.make_items(schema, 6, random.Random(0)), {"concerts": db})
     tok = word_tokenizer("SELECT FROM WHERE singer name . , = 1 ; NONE".split())
     save_tiny_lm(tmp_path / "ckpt", tok, d_model=16, n_layers=1, n_heads=2)
     proc = run_lab("run", "18_sgu_sql", "-p", "model", str(tmp_path / "ckpt"), "-p", "data", str(tmp_path / "spider"),

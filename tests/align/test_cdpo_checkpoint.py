@@ -12,6 +12,7 @@ import torch
 from lab.align import LOSSES
 from lab.align import cdpo as C
 from lab.align import cdpo_checkpoint as CC
+from lab.align import hf_batch as hb
 from lab.align import hf_prefs as hp
 from lab.models.tokenizer import word_tokenizer
 from lab.models.zoo import tiny_llama
@@ -84,7 +85,7 @@ def test_token_scores_match_ce_scores_sample_by_sample(tok):
 def test_sft_loss_is_the_mean_response_nll_and_sft_trains_only_its_adapter(tok):
     model = tiny(tok)
     samples = [([2, 14, 7], [5, 6, 3]), ([2, 15], [10])]
-    batch = hp.pad_batch([[s] for s in samples], 0)
+    batch = hb.pad_batch([[s] for s in samples], 0)
     with torch.no_grad():
         got = CC.sft_loss(model, batch)
         nll = []

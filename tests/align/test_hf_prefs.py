@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lab.align import LOSSES
+from lab.align import hf_batch as hb
 from lab.align import hf_prefs as hp
 from lab.align.tokens import token_dists, token_kl
 from lab.models import load_reward_model
@@ -33,22 +34,22 @@ def pairs(n=16, seed=0):
 
 
 def test_tokenize_hand_computed(tok):
-    b = hp.tokenize(tok, [{"prompt": "a b", "chosen": "c", "rejected": "d c d"}])
+    b = hb.tokenize(tok, [{"prompt": "a b", "chosen": "c", "rejected": "d c d"}])
     assert b["input_ids"].tolist() == [[[4, 5, 6, 3, 0, 0], [4, 5, 7, 6, 7, 3]]]  # prompt | response EOS | pad
     assert b["attention_mask"].tolist() == [[[1, 1, 1, 1, 0, 0], [1] * 6]]
     assert b["response_mask"].tolist() == [[[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]]
     assert b["rewards"].tolist() == [[1.0, 0.0]]
     # truncation keeps the prompt's end and the response's start
-    b = hp.tokenize(tok, [{"prompt": "a b c", "chosen": "d a", "rejected": "b"}], max_len=4, max_prompt_len=2)
+    b = hb.tokenize(tok, [{"prompt": "a b c", "chosen": "d a", "rejected": "b"}], max_len=4, max_prompt_len=2)
     assert b["input_ids"].tolist() == [[[5, 6, 7, 4], [5, 6, 5, 3]]]
     assert b["response_mask"].tolist() == [[[0, 0, 1, 1], [0, 0, 1, 1]]]
     # ranked rows keep their order and rewards
-    b = hp.tokenize(tok, [{"prompt": "a", "responses": ["b", "c c", "d"], "rewards": [2.0, 1.0, 0.0]}])
+    b = hb.tokenize(tok, [{"prompt": "a", "responses": ["b", "c c", "d"], "rewards": [2.0, 1.0, 0.0]}])
     assert b["input_ids"].shape == (1, 3, 4) and b["rewards"].tolist() == [[2.0, 1.0, 0.0]]
 
 
 def test_chat_prompt_without_template(tok):
-    assert hp.render_prompt(tok, [{"role": "user", "content": "a"}]) == "user: a\nassistant: "
+    assert hb.render_prompt(tok, [{"role": "user", "content": "a"}]) == "user: a\nassistant: "
 
 
 def test_sequence_logprobs_match_a_naive_loop(tok):

@@ -9,6 +9,7 @@ import sqlite3
 import pytest
 
 from lab.data import sql_exec as sx
+from lab.data import sql_plans as sp
 from lab.data import sql_worlds as sw
 
 
@@ -31,7 +32,7 @@ def test_schema_has_an_fk_chain_and_repeated_names(concerts):
 
 def test_every_gold_query_runs_and_questions_align_with_their_tokens(concerts):
     schema, db = concerts
-    items = sw.make_items(schema, 200, random.Random(0))
+    items = sp.make_items(schema, 200, random.Random(0))
     nonempty = 0
     for it in items:
         nonempty += bool(sx.execute(db, it.sql))
@@ -77,7 +78,7 @@ def test_bad_sql_and_runaway_queries_are_failures_not_crashes(concerts):
 
 def test_spider_folder_round_trip(concerts, tmp_path):
     schema, db = concerts
-    items = sw.make_items(schema, 5, random.Random(1))
+    items = sp.make_items(schema, 5, random.Random(1))
     folder = sx.spider_folder(tmp_path / "spider", items, {"concerts": db})
     back, dbs = sx.load_spider(folder)
     assert [(b.question, b.sql, b.hardness) for b in back] == [(i.question, i.sql, i.hardness) for i in items]

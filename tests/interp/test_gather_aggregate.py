@@ -7,6 +7,7 @@ import torch
 from lab.data.letters import DELIM, LetterRetrieval
 from lab.interp import ablation
 from lab.interp import gather_aggregate as ga
+from lab.interp import gather_aggregate_study as gs
 from lab.models import hooks, tiny_llama, tiny_mamba2
 from lab.models.score import choice_accuracy
 from tests.interp.tiny import V, alive, models
@@ -97,7 +98,7 @@ def test_config_for_scale_and_controls():
 def test_untrained_toys_are_the_seeded_initialisation_and_prompts_come_from_their_seed():
     cfg = ga.Config.for_scale("smoke", "untrained")
     cfg = type(cfg)(**{**cfg.__dict__, "n_letter": 6, "n_cloze": 4, "n_verify": 5})
-    study = ga.train_toys(cfg, 3)
+    study = gs.train_toys(cfg, 3)
     task = LetterRetrieval(max_filler=0, n_questions=4, n_labels=8, n_options=6, min_options=2)
     V = len(task.tokenizer)
     torch.manual_seed(3)
