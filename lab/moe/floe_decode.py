@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from lab.core.stages import stage
 from lab.moe import blocks
 from lab.moe.links import CudaLink, SimLink, TimeModel
-from lab.moe.offload import OffloadEngine, plan
+from lab.moe.offload import OffloadEngine
+from lab.moe.offload_policies import plan
 
 
 def engine_policies(keep: float, whole_experts: bool = False) -> dict[str, tuple[str, dict]]:
@@ -39,7 +40,7 @@ def equal_memory_k(resident: float, int2_bytes: float, n_layers: int, top_k: int
 
 def mixtral_at_equal_memory(model: nn.Module, keep: float, n_buffers: int = 4) -> tuple[int, dict | None]:
     """FloE's device bytes at `keep` (its INT2 W_up and two row buffers, as its engine holds them) and the
-    Mixtral-offloading arguments (`offload.plan`: experts per layer plus its buffers) that fit in as many bytes
+    Mixtral-offloading arguments (`offload_policies.plan`: experts per layer plus its buffers) that fit in as many bytes
     (None if not even one expert per layer fits)."""
     floe_bytes = OffloadEngine(model, "floe", SimLink(TimeModel()), keep=keep).stats.resident_bytes
     return floe_bytes, plan(model, floe_bytes, keep, n_buffers=n_buffers)["mixtral"]
@@ -71,7 +72,7 @@ class Decoder:
         return self.run(policy, kw, gbps, n) if self.device == "cuda" else _simulated(self, policy, kw, gbps, n)
 
     def run(self, policy: str, kw: dict, gbps: float, n: int | None = None) -> dict:
-        out = {"nll": [], "bytes": [], "sec": [], "miss": 0, "calls": 0}
+        out = {"nll": [], "bytes": [], "back": [], "sec": [], "miss": 0, "calls": 0}
         cuda = self.device == "cuda"
         for s in self.seqs[:n]:
             eng = OffloadEngine(self.model, policy, self.link(gbps),
@@ -79,6 +80,7 @@ class Decoder:
             logits, st = eng.run(s[None])
             out["nll"].append(F.cross_entropy(logits[:-1].float(), s[1:]).item())
             out["bytes"] += st.bytes
+            out["back"] += st.bytes_back
             out["sec"] += st.seconds[1:]  # the first token includes warm-up on CUDA
             out["miss"] += st.misses
             out["calls"] += st.calls
@@ -86,6 +88,7 @@ class Decoder:
             out["resident"] = st.resident_bytes
             out["max_memory"], out["planned"] = st.max_memory, st.model_bytes + st.resident_bytes
         res = {"loss": sum(out["nll"]) / len(out["nll"]), "bytes": sum(out["bytes"]) / len(out["bytes"]),
+               "bytes_back": sum(out["back"]) / len(out["back"]),
                "tps": len(out["sec"]) / sum(out["sec"]), "miss": out["miss"] / max(1, out["calls"]),
                "spans": out["spans"], "resident": out["resident"]}
         return res | ({"max_memory": out["max_memory"], "planned": out["planned"]} if cuda else {})
@@ -101,7 +104,7 @@ class Decoder:
                    for s in self.seqs) / len(self.seqs)
 
     def simulate(self, gbps: float, keep: float, budget_kb: float) -> dict[str, dict]:
-        """Each policy under one device budget for experts (beyond layer 0, `offload.plan`), one sequence;
+        """Each policy under one device budget for experts (beyond layer 0, `offload_policies.plan`), one sequence;
         a policy that does not fit is left out (the offload explorer's callback)."""
         fit_ = plan(self.model, int(budget_kb * 1e3), keep)
         runs = {"FP16 on demand": ("fp16", {})}

@@ -10,9 +10,14 @@ Policies (per decoded token and offloaded MoE layer; the forms are `lab.moe.offl
            experts (group-16 HQQ 2-bit, quantized scale/zero, one contiguous block each), an LRU group of `cache_k`
            slots per layer that starts with the layer's last `cache_k` experts (their `offload_per_layer`), a shared
            pool of `n_buffers` device buffers (theirs: 4): a miss is copied into a free buffer, which takes the
-           evicted slot's place; experts already on the device are computed first while the misses load
+           evicted slot's place, and the evicted expert is written back device-to-host into a free pinned host
+           buffer (their `_swap`: every expert lives in one tier only, so the host holds the offloaded experts plus
+           `n_buffers` buffers); experts already on the device are computed first while the misses load
            (`load_experts(unordered=True)`), and the next layer's experts are guessed by applying its router to this
-           layer's MoE input and loaded ahead (the technical report's speculative loading; not in the repository);
+           layer's MoE input and loaded ahead (the technical report's speculative loading; not in the repository).
+           Their repository issues its copies on the compute stream, so on a GPU their loads would not overlap
+           compute; here they overlap (on the copy lane, write-backs in the same FIFO): the favourable reading.
+           `write_back=False` keeps every host copy valid and copies nothing back (an ablation, not their code);
 - `stream`: DeepSpeed ZeRO-3-style streaming: each offloaded layer's whole MoE block (all E `fp` experts, one
            copy here) is fetched when the layer runs, no cache (the FloE authors' DeepSpeed-MII baseline sets the
            MoE block as a ZeRO-3 leaf module; ZeRO's parameter prefetch is not modelled);
@@ -82,6 +87,7 @@ def _memo(ex: nn.Module, key: tuple, make):
 @dataclass
 class Stats:
     bytes: list[int] = field(default_factory=list)  # per token, host->device
+    bytes_back: list[int] = field(default_factory=list)  # per token, device->host (Mixtral-offloading's write-back)
     seconds: list[float] = field(default_factory=list)  # per token (modelled on SimLink, measured on CUDA)
     calls: int = 0  # expert calls on offloaded layers
     misses: int = 0  # lru, mixtral: experts not on the device when routed; floe: experts not prefetched
@@ -108,7 +114,7 @@ class OffloadEngine:
     def __init__(self, model: nn.Module, policy: str, link: SimLink, *, keep: float = 0.2, cache_k: int = 2,
                  resident: tuple[int, ...] = (0,), group_size: int = 64, device: str = "cpu",
                  predictor: str = "router", seed: int = 0, n_buffers: int = 4, chunks: int = 4,
-                 kernels: bool | None = None):
+                 kernels: bool | None = None, write_back: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is unknown; use one of {', '.join(POLICIES)}.")
         if predictor not in PREDICTORS:
@@ -129,6 +135,7 @@ class OffloadEngine:
         self.host: dict = {}  # the host tier: (l, e) -> form (stream: (l, None) -> the layer's block)
         self.dev: dict[str, st.Form] = {}  # the device tier: place -> form
         self.stats, self.n_buffers, self.chunks = Stats(), n_buffers, chunks
+        self.write_back = policy == "mixtral" and write_back  # False: host copies stay valid, nothing is copied back
         self.free: dict[str, object] = {}  # place -> mark after the last compute that read it
         self.ready: dict[str, object] = {}  # place -> when its last copy lands
         self.last_token = None
@@ -159,13 +166,17 @@ class OffloadEngine:
                 self.host[l, None] = {"w": h(torch.stack(fp))}
                 continue
             for e in range(self.E):
-                self.host[l, e] = st.to(self._form(l, (FORMS[pol], wd, gs, e), form_of, pol, W[e], wd, gs), h)
+                form = self._form(l, (FORMS[pol], wd, gs, e), form_of, pol, W[e], wd, gs)
+                # mixtral writes evicted experts back into host storages: its own, never the memo other engines share
+                own = self.write_back and torch.device(self.device).type == "cpu"
+                self.host[l, e] = st.to(form, (lambda t: h(t.clone())) if own else h)
                 if pol == "floe":
                     self.dev[f"up {l}.{e}"] = self._to_dev(self._form(l, ("up", gs, e), st.up_form, W[e][1], gs))
         if not self.offloaded:
             return
         l0 = self.offloaded[0]
         sample = self.host[l0, None] if pol == "stream" else self.host[l0, 0]
+        self.sample_bytes = st.nbytes(sample)
         if pol == "floe":
             for b in range(2):
                 self.dev[f"rows {b}"] = st.rows_buffer(self.top_k, self.n_keep, self.H, self.wd, self.device)
@@ -178,13 +189,17 @@ class OffloadEngine:
                 for i in range(self.cache_k):
                     e = self.E - self.cache_k + i
                     place = self.dev[f"cache {l}.{i}"] = self._place(f"cache {l}.{i}", sample)
-                    if pol == "mixtral":  # their cache starts with the experts not offloaded
+                    if pol == "mixtral":  # their cache starts with the experts not offloaded, held on the device only
                         for k, t in place.items():
                             t.copy_(self.host[l, e][k])
+                        if self.write_back:
+                            del self.host[l, e]
                         self.cache[l][e] = f"cache {l}.{i}"
             self.pool = deque(f"buffer {i}" for i in range(self.n_buffers if pol == "mixtral" else 0))
             for name in self.pool:
                 self._place(name, sample)
+            # their pinned host buffers: an evicted expert is written back into one, a loaded one's storage joins them
+            self.host_pool = deque(st.to(st.empty_like(sample, "cpu"), h) for _ in self.pool if self.write_back)
         else:  # on demand (and an LRU without a cache): one staging slot per routed expert
             for i in range(self.top_k):
                 self._place(f"stage {i}", sample)
@@ -195,8 +210,7 @@ class OffloadEngine:
 
     def expert_bytes(self) -> int:
         """Bytes of one offloaded expert in the form its policy moves (stream: one whole layer)."""
-        l0 = self.offloaded[0]
-        return st.nbytes(self.host[l0, None] if self.policy == "stream" else self.host[l0, 0])
+        return self.sample_bytes
 
     def copy(self, src: st.Form, place: str, l: int, what: str, after: tuple = ()) -> object:
         """Copy a form into a device place once `after` and the place's last reader are done; count its bytes."""
@@ -206,6 +220,15 @@ class OffloadEngine:
             self.stats.bytes[-1] += st.nbytes(t)
         self.ready[place] = ready
         return ready
+
+    def copy_back(self, place: str, dst: st.Form, l: int, what: str) -> object:
+        """Copy a device place into a host form (on the same FIFO link, after the place's contents landed); count
+        its bytes as device->host."""
+        done = None
+        for k, t in self.dev[place].items():
+            done = self.link.copy(t, dst[k], l, what, (self.ready.get(place),))
+            self.stats.bytes_back[-1] += st.nbytes(t)
+        return done
 
     # --- residency ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -259,6 +282,7 @@ class OffloadEngine:
             past, logits = None, []
             for t in range(input_ids.shape[1]):
                 self.stats.bytes.append(0)
+                self.stats.bytes_back.append(0)
                 a = self.link.mark()
                 out = self.model(input_ids=input_ids[:, t:t + 1], cache=past, use_cache=True)
                 past = out.cache
@@ -269,30 +293,3 @@ class OffloadEngine:
                 self.stats.max_memory = torch.cuda.max_memory_allocated()
         return torch.stack(logits), self.stats
 
-
-def plan(model: nn.Module, budget: int, keep: float = 0.2, group_size: int = 64,
-         n_buffers: int = 4) -> dict[str, dict | None]:
-    """Engine arguments for each cached policy under one device budget for experts (bytes beyond layer 0), from the
-    bytes of the forms the engine would hold (built for one expert): LRU caches of k whole experts per offloaded
-    layer (at most E; k = 0 holds top_k staging slots), Mixtral-offloading's k slots per layer plus its buffers,
-    FloE's INT2 W_up of every offloaded expert and its two buffers, with what is left spent on whole layers kept
-    resident from layer 1 up (FloE's GPU-resident layers). None: the policy does not fit."""
-    blocks = moe_blocks(model)
-    L, (E, H, F), top_k = len(blocks), blocks[0].experts.down_proj.shape, blocks[0].gate.top_k
-    wd = st.weight_dtype(blocks[0].experts.down_proj.dtype)
-    W = tuple(w.detach() for w in weights(blocks[-1], 0))
-    size = {p: st.nbytes(form_of(p, W, wd, group_size)) for p in ("lru-fp16", "lru-int2", "mixtral")}
-    out = {}
-    for policy in ("lru-fp16", "lru-int2"):
-        k = int(min(E, budget // ((L - 1) * size[policy])))
-        out[policy] = {"cache_k": k} if k or top_k * size[policy] <= budget else None
-    k = int(min(E, (budget - n_buffers * size["mixtral"]) // ((L - 1) * size["mixtral"])))
-    out["mixtral"] = {"cache_k": k, "n_buffers": n_buffers} if k >= 1 else None
-    up, fp_layer = st.nbytes(st.up_form(W[1], group_size)), E * st.nbytes(st.fp_form(*W, wd))
-    bufs = 2 * st.nbytes(st.rows_buffer(top_k, max(1, round(keep * F)), H, wd, "meta"))
-    out["floe"] = None
-    for r in range(L):  # layers 0..r resident
-        off = L - 1 - r
-        if r * fp_layer + off * E * up + (bufs if off else 0) <= budget:
-            out["floe"] = {"keep": keep, "resident": tuple(range(r + 1))}
-    return out

@@ -4,7 +4,8 @@ Every step goes through the engine's link with its dependencies explicit: a copy
 routing (`link.mark()` at issue), a FloE gather after the prediction that chose its rows, every copy after the last
 compute that read its destination, every compute after the copies it reads (`link.wait`). Experts are computed in
 the model's dtype from the forms the engine holds; on CUDA (`engine.kernels`) FloE's INT2 GEMV and masked sparse
-kernels (`kernels.floe`) run in place of the torch reference path used on CPU.
+kernels (`kernels.floe`) run in place of the torch reference path used on CPU. `plan` gives each cached policy's
+arguments under one device budget.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch.nn.functional as F_
 from torch import Tensor, nn
 
 from lab.moe import offload_store as st
-from lab.moe.blocks import route, weights
+from lab.moe.blocks import moe_blocks, route, weights
+from lab.moe.offload import form_of
 
 
 class Served(nn.Module):
@@ -205,13 +207,22 @@ def _floe(eng, l: int, x: Tensor, experts: list[int], w: Tensor, nxt, pred) -> T
 # --------------------------------------------------------------------------------------- Mixtral-offloading
 
 def _swap_in(eng, l: int, e: int, after: tuple):
-    """Copy expert e into a free buffer, which joins layer l's cache; the least recently used slot is evicted
-    into the buffer pool (their `ExpertCache._swap`; the host copy stays valid, so nothing is written back)."""
+    """Their `ExpertCache._swap`: copy expert e from its host storage into a free device buffer, which joins layer
+    l's cache; the least recently used slot is written back into a free host buffer (the evicted expert's host
+    storage from now on) and joins the device buffers; e's host storage joins the host buffers. Every expert lives
+    in one tier only. All copies go through the one FIFO link, in their order (load, then write-back).
+    `eng.write_back` False: the host copies stay valid and nothing is copied back."""
     cache = eng.cache[l]
     place = eng.pool.popleft()
     eng.copy(eng.host[l, e], place, l, f"expert {e}", after)
     if len(cache) >= eng.cache_k:
-        eng.pool.append(cache.popitem(last=False)[1])
+        v, victim = cache.popitem(last=False)
+        if eng.write_back:
+            eng.host[l, v] = eng.host_pool.popleft()
+            eng.copy_back(victim, eng.host[l, v], l, f"write back {v}")
+        eng.pool.append(victim)
+    if eng.write_back:
+        eng.host_pool.append(eng.host.pop((l, e)))
     cache[e] = place
     return place
 
@@ -231,3 +242,32 @@ def _mixtral(eng, l: int, x: Tensor, experts: list[int], w: Tensor, nxt, pred) -
     if pred is not None:
         _prefetch(eng, nxt, *pred)
     return y
+
+
+# --------------------------------------------------------------------------------------- budgets
+def plan(model: nn.Module, budget: int, keep: float = 0.2, group_size: int = 64,
+         n_buffers: int = 4) -> dict[str, dict | None]:
+    """Engine arguments for each cached policy under one device budget for experts (bytes beyond layer 0), from the
+    bytes of the forms the engine would hold (built for one expert): LRU caches of k whole experts per offloaded
+    layer (at most E; k = 0 holds top_k staging slots), Mixtral-offloading's k slots per layer plus its buffers,
+    FloE's INT2 W_up of every offloaded expert and its two buffers, with what is left spent on whole layers kept
+    resident from layer 1 up (FloE's GPU-resident layers). None: the policy does not fit."""
+    blocks = moe_blocks(model)
+    L, (E, H, F), top_k = len(blocks), blocks[0].experts.down_proj.shape, blocks[0].gate.top_k
+    wd = st.weight_dtype(blocks[0].experts.down_proj.dtype)
+    W = tuple(w.detach() for w in weights(blocks[-1], 0))
+    size = {p: st.nbytes(form_of(p, W, wd, group_size)) for p in ("lru-fp16", "lru-int2", "mixtral")}
+    out = {}
+    for policy in ("lru-fp16", "lru-int2"):
+        k = int(min(E, budget // ((L - 1) * size[policy])))
+        out[policy] = {"cache_k": k} if k or top_k * size[policy] <= budget else None
+    k = int(min(E, (budget - n_buffers * size["mixtral"]) // ((L - 1) * size["mixtral"])))
+    out["mixtral"] = {"cache_k": k, "n_buffers": n_buffers} if k >= 1 else None
+    up, fp_layer = st.nbytes(st.up_form(W[1], group_size)), E * st.nbytes(st.fp_form(*W, wd))
+    bufs = 2 * st.nbytes(st.rows_buffer(top_k, max(1, round(keep * F)), H, wd, "meta"))
+    out["floe"] = None
+    for r in range(L):  # layers 0..r resident
+        off = L - 1 - r
+        if r * fp_layer + off * E * up + (bufs if off else 0) <= budget:
+            out["floe"] = {"keep": keep, "resident": tuple(range(r + 1))}
+    return out

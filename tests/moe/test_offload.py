@@ -11,7 +11,8 @@ from lab.models.zoo import tiny_mixtral
 from lab.moe import offload_store as st
 from lab.moe.blocks import moe_blocks, weights
 from lab.moe.links import SimLink, TimeModel
-from lab.moe.offload import OffloadEngine, plan
+from lab.moe.offload import OffloadEngine
+from lab.moe.offload_policies import plan
 
 H, FF, L, E, K = 32, 48, 3, 4, 2
 FP16_EXPERT = 3 * H * FF * 2
@@ -174,6 +175,32 @@ def test_mixtral_offloading(model, seq):
     assert torch.corrcoef(torch.stack([logits.flatten(), ref.flatten()]))[0, 1] > 0.9
 
 
+@pytest.mark.parametrize("cache_k", [1, 2])
+def test_mixtral_offloading_writes_evicted_experts_back(model, seq, cache_k):
+    """Their `ExpertCache._swap`: every expert lives in one tier only — on the device (its cache) or in one host
+    storage — and an evicted expert is copied back device->host, so a host storage always holds its own expert's
+    bytes, also after several evictions (without the write-back, a re-loaded expert would read another's storage)."""
+    eng = engine(model, "mixtral", cache_k=cache_k)
+    assert all((l, e) not in eng.host for l in (1, 2) for e in range(E - cache_k, E))  # theirs: not offloaded
+    logits, s = eng.run(seq)
+    loads = sum(s.bytes) // st.nbytes(eng.host_pool[0])
+    assert loads > 2 * E and sum(s.bytes_back) == sum(s.bytes)  # some expert was evicted and loaded again
+    for l in (1, 2):
+        held = {e: eng.host[l, e] for e in range(E) if (l, e) in eng.host}
+        held |= {e: eng.dev[place] for e, place in eng.cache[l].items()}
+        assert sorted(held) == list(range(E)) and len(eng.cache[l]) == cache_k
+        assert not set(eng.cache[l]) & {e for e in range(E) if (l, e) in eng.host}  # one tier each
+        for e, form in held.items():
+            assert torch.equal(form["mo"], st.mo_form(*weights(moe_blocks(model)[l], e))["mo"]), (l, e)
+    fresh, _ = engine(model, "mixtral", cache_k=cache_k).run(seq)
+    assert torch.equal(logits, fresh)  # the memoised forms other engines share were never written into
+    ablated = engine(model, "mixtral", cache_k=cache_k, write_back=False)  # host copies kept: same experts, fewer bytes
+    same, s2 = ablated.run(seq)
+    assert torch.equal(same, logits) and sum(s2.bytes_back) == 0 and s2.bytes == s.bytes
+    assert all((l, e) in ablated.host for l in (1, 2) for e in range(E))
+    assert sum(s2.seconds) < sum(s.seconds)  # the write-backs share the FIFO link with the loads
+
+
 def test_mo_form_decodes_close_to_the_weights(model):
     W = weights(moe_blocks(model)[1], 0)
     err = lambda form, gs=64: max((a - b).abs().mean().item() for a, b in
@@ -196,11 +223,14 @@ def test_quantized_experts_are_one_block_moved_by_one_copy(model, seq, kind):
             assert torch.equal(got, st.dequant(q, s, z, 64, H, torch.float32))
     eng = engine(model, "int2" if kind == "int2" else "mixtral")
     _, stats = eng.run(seq)
-    copies = [s for s in eng.link.spans if s.lane == "transfer"]
-    assert copies and all(s.what.startswith("expert") for s in copies)
-    assert sum(stats.bytes) == len(copies) * st.nbytes(block)  # every copy moves one whole block
+    copies = [s for s in eng.link.spans if s.lane == "transfer" and s.what.startswith("expert")]
+    assert copies and sum(stats.bytes) == len(copies) * st.nbytes(block)  # every copy moves one whole block
+    back = [s for s in eng.link.spans if s.lane == "transfer" and not s.what.startswith("expert")]
     if kind == "int2":
         assert len(copies) == seq.shape[1] * K * (L - 1)  # one copy per routed expert of an offloaded layer
+        assert not back and sum(stats.bytes_back) == 0
+    else:  # every load evicts one expert, written back whole
+        assert len(back) == len(copies) and sum(stats.bytes_back) == sum(stats.bytes)
 
 
 def test_bad_policy(model):
