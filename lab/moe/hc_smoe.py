@@ -76,7 +76,7 @@ class Config:
     seq_len: int = 32  # permutation-chain sequence length
     n_seq: int = 48  # calibration sequences (and as many held-out evaluation sequences)
     rs: tuple[int, ...] = (4, 6)  # target expert counts shown (8 -> 4 and 8 -> 6)
-    n_random: int = 5  # random groupings / k-means++ runs averaged
+    n_random: int = 20  # random groupings / k-means++ runs averaged (5 left the random-groups mean noisy)
     feature: str = "output"  # "weight" under the `weight_features` control
     method: str = "hierarchical"  # "random" under the `random_groups` control
     align: bool = True  # neuron alignment in "HC-SMoE + neuron alignment"; False under `no_alignment`
@@ -87,7 +87,7 @@ class Config:
         if scale not in params.SCALES:
             raise ValueError(f"scale={scale!r} is unknown; use one of {', '.join(params.SCALES)}.")
         control = check_control(control)
-        sizes = {} if scale == "smoke" else dict(steps=1000, ft_steps=200, n_seq=128, n_random=20)
+        sizes = {} if scale == "smoke" else dict(steps=1000, ft_steps=200, n_seq=128)
         return cls(**sizes, feature="weight" if control == "weight_features" else "output",
                    method="random" if control == "random_groups" else "hierarchical", align=control != "no_alignment")
 
