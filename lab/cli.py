@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     swp = sub.add_parser("sweep", help="run a notebook over seeds and its controls -> notebooks/results/<stem>.json")
     swp.add_argument("name", help="one notebook stem or slug")
     swp.add_argument("--seeds", default="0-9", help="e.g. 0-9 or 0,3,5 (default 0-9)")
-    swp.add_argument("--control-seeds", default="0", help="seeds for each declared control (default 0)")
+    swp.add_argument("--control-seeds", default="0",
+                     help="seeds for each declared control (default 0); a claim is broken only if broken on each")
     swp.add_argument("--no-controls", action="store_true", help="seeds only (keeps the recorded controls)")
     swp.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"))
     swp.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: one per core)")

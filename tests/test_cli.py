@@ -126,6 +126,26 @@ def test_sweep_writes_a_results_file_and_its_table(nbdir, tmp_path):
     assert "seeds [2, 3" in problems("01_good", claims[1:], {}, folder=tmp_path)[1]
 
 
+@pytest.mark.timeout(300)
+def test_a_control_on_several_seeds_breaks_a_claim_only_if_it_breaks_it_on_every_seed(nbdir, tmp_path):
+    """`--control-seeds 0-2`: the control `flip` gives holds = seed − 1.1, so it breaks "holds" on seeds 0 and 1 and
+    not on seed 2; every seed's run is recorded, and the claim counts as not broken."""
+    from lab.core.results import problems, seed_table
+
+    target = tmp_path / "results" / "01_good.json"
+    proc = lab("sweep", "good", "--seeds", "0", "--control-seeds", "0-2", "--out", str(target), nbdir=nbdir)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    flip = json.loads(target.read_text())["controls"]["flip"]
+    assert flip["broken"] == [] and flip["survived"] == ["holds"] and sorted(flip["by_seed"]) == ["0", "1", "2"]
+    assert [flip["by_seed"][s]["values"]["holds"] for s in "012"] == pytest.approx([-1.1, -0.1, 0.9])
+    assert flip["seed"] == 0 and flip["values"]["holds"] == pytest.approx(-1.1)  # the lowest seed's run
+    assert "control flip: broke 0/1 on seeds 0, 1, 2; held: ['holds']" in proc.stdout
+    assert seed_table("01_good", tmp_path).loc["holds", "control flip"].endswith("(held on seed 2!)")
+    claims = [{"name": "holds", "op": ">=", "threshold": 0.5}, {"name": "also", "op": ">=", "threshold": 0.5}]
+    found = problems("01_good", claims, {"flip": ["holds"]}, folder=tmp_path, seeds=range(1))
+    assert found == ["control 'flip' does not break 'holds' on seed 2 (recorded 0.9)"]
+
+
 def test_bad_names_and_parameters_write_nothing(nbdir, tmp_path):
     out = tmp_path / "r"
     for args, words in [(("run", "nope"), "no notebook named 'nope'"),

@@ -98,14 +98,20 @@ def write(target: Path, stem: str, runs: list[dict], overrides: dict, controls: 
                              "values": {c["name"]: c["value"] for c in r["claims"]},
                              "passed": {c["name"]: c["passed"] for c in r["claims"]},
                              **({"error": r["error"]} if r.get("error") else {})})
-    for r in runs:
-        name = r["params"].get("control")
-        if name:
-            c = r.get("control") or {"must_break": controls.get(name, []), "broken": [],
-                                     "survived": controls.get(name, [])}
-            data["controls"][name] = {"seed": r["params"]["seed"], "status": r["status"],
-                                      "must_break": c["must_break"], "broken": c["broken"],
-                                      "survived": c["survived"], "values": {x["name"]: x["value"] for x in r["claims"]}}
+    for r in sorted((r for r in runs if r["params"].get("control")), key=lambda r: r["params"]["seed"]):
+        name = r["params"]["control"]
+        c = r.get("control") or {"must_break": controls.get(name, []), "broken": [],
+                                 "survived": controls.get(name, [])}
+        one = {"seed": r["params"]["seed"], "status": r["status"], "must_break": c["must_break"],
+               "broken": c["broken"], "survived": c["survived"], "values": {x["name"]: x["value"] for x in r["claims"]}}
+        rec = data["controls"].setdefault(name, one)
+        if rec is not one:  # several control seeds: a claim is broken only if it is broken on every seed
+            keep = ("status", "survived", "values")
+            by_seed = rec.setdefault("by_seed", {str(rec["seed"]): {k: rec[k] for k in keep}})
+            by_seed[str(one["seed"])] = {k: one[k] for k in keep}
+            held = {x for v in by_seed.values() for x in v["survived"]}
+            rec["survived"] = [x for x in rec["must_break"] if x in held]
+            rec["broken"] = [x for x in rec["must_break"] if x not in held]
     if keep_controls and target.exists():
         data["controls"] = json.loads(target.read_text()).get("controls", {})
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -153,13 +159,17 @@ def problems(stem: str, claims: list[dict], controls: dict[str, list[str]], *, f
         if rec is None:
             out.append(f"control {name!r} not recorded")
             continue
+        runs = rec.get("by_seed") or {str(rec["seed"]): rec}
         for claim in must:
-            v = rec["values"].get(claim)
             c = now.get(claim)
             if c is None:
                 out.append(f"control {name!r} names {claim!r}, which the notebook does not check")
-            elif v is not None and isinstance(v, (int, float)) and OPS[c["op"]](v, c["threshold"]):
-                out.append(f"control {name!r} does not break {claim!r} (recorded {fmt(v)})")
+                continue
+            for seed, run in runs.items():
+                v = run["values"].get(claim)
+                if v is not None and isinstance(v, (int, float)) and OPS[c["op"]](v, c["threshold"]):
+                    at = f" on seed {seed}" if len(runs) > 1 else ""
+                    out.append(f"control {name!r} does not break {claim!r}{at} (recorded {fmt(v)})")
     return out
 
 
@@ -167,7 +177,8 @@ def seed_table(stem: str, folder: Path | None = None):
     """The notebook's claims over the recorded seeds and controls, as a pandas DataFrame.
 
     One row per claim: the requirement, min / max over seeds, how many seeds meet it, and for each
-    control the value it recorded with ✗ where it broke the claim (— where the control does not name it).
+    control the value it recorded (on its lowest seed) with ✗ where it broke the claim on every control seed
+    (— where the control does not name it).
     """
     import pandas as pd
 
@@ -184,7 +195,8 @@ def seed_table(stem: str, folder: Path | None = None):
             v = rec["values"].get(name)
             cell = "—" if v is None else fmt(v)
             if name in rec["must_break"]:
-                cell += " ✗" if name in rec["broken"] else " (held!)"
+                held = [k for k, v in rec.get("by_seed", {}).items() if name in v["survived"]]
+                cell += " ✗" if name in rec["broken"] else f" (held on seed {', '.join(held)}!)" if held else " (held!)"
             row[f"control {cname}"] = cell
         rows[name] = row
     df = pd.DataFrame.from_dict(rows, orient="index")
@@ -202,6 +214,7 @@ def summary(data: dict) -> str:
             lines.append(f"  seed {r['seed']} {r['status']}: " + "; ".join(
                 f"{n} = {fmt(r['values'][n])}" for n in bad) + (f" {r.get('error', '')}" if not bad else ""))
     for name, c in data["controls"].items():
-        lines.append(f"  control {name}: broke {len(c['broken'])}/{len(c['must_break'])}" +
+        seeds = f" on seeds {', '.join(c['by_seed'])}" if "by_seed" in c else ""
+        lines.append(f"  control {name}: broke {len(c['broken'])}/{len(c['must_break'])}{seeds}" +
                      (f"; held: {c['survived']}" if c["survived"] else ""))
     return "\n".join(lines)
