@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 STAMP := $(VENV)/.stamp-install
 
-.PHONY: setup run test test-fast test-gpu lab clean
+.PHONY: setup run test test-fast test-gpu audit lab clean
 
 setup: $(STAMP) node_modules/.package-lock.json
 
@@ -47,6 +47,11 @@ test-gpu: setup
 	TRITON_INTERPRET=0 $(PY) -m pytest -m gpu $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 	TRITON_INTERPRET=0 $(PY) scripts/gpu_floe.py  # every offload policy on a Mixtral-shaped BF16 model (< 8 min)
 	$(PY) -m lab run all -p device cuda --out reports/gpu
+
+## held-out check (not in CI; about an hour on 2 cores): every claim on seeds 10-14, every control on seeds 1-2,
+## into reports/audit/results/<stem>.json and reports/audit/audit.md (the committed results files untouched)
+audit: setup
+	$(PY) -m lab audit all
 
 ## JupyterLab on the notebooks folder (with --allow-root when run as root, e.g. in a container)
 lab: setup

@@ -1,10 +1,11 @@
-"""`python -m lab run|list|report|sweep|bench` — the runner users, tests and CI share.
+"""`python -m lab run|list|report|sweep|audit|bench` — the runner users, tests and CI share.
 
     python -m lab run 00_tour                    # one notebook (stem, or slug: `tour`)
     python -m lab run all -p seed 3 --out /tmp/r  # every notebook, a parameter override, another folder
     python -m lab list                           # notebooks, their papers, last recorded status
     python -m lab report                         # re-render HTML + index from executed notebooks
     python -m lab sweep hps --seeds 0-9          # seeds and declared controls -> notebooks/results/11_hps.json
+    python -m lab audit all                      # claims on seeds 10-14, controls on seeds 1-2 -> reports/audit
     python -m lab bench NAME [options]           # a paper's benchmark (registered in lab.core.bench)
 
 `run` validates every parameter before any kernel starts (a bad value is one sentence on stderr,
@@ -263,12 +264,43 @@ def cmd_sweep(args) -> int:
     controls = {} if args.no_controls else declared_controls(path)
     plan([path], overrides)  # bad parameters: one sentence before any run
     target = Path(args.out) if args.out else results.path_of(path.stem, path.parent)
-    jobs = [(s, "") for s in seeds] + [(s, c) for c in controls for s in control_seeds]
     with zygote.warm():  # its `lab run` processes inherit it
-        runs = results.sweep(path, jobs, overrides, n_jobs=args.jobs, cell_timeout=args.cell_timeout)
-    data = results.write(target, path.stem, runs, overrides, controls, keep_controls=args.no_controls)
+        data = _sweep(path, seeds, control_seeds, controls, overrides, target, args)
     print(results.summary(data))
     return 0 if results.holds(data) else 1
+
+
+def _sweep(path: Path, seeds: list[int], control_seeds: list[int], controls: dict, overrides: dict, target: Path,
+           args) -> dict:
+    from lab.core import results
+
+    jobs = [(s, "") for s in seeds] + [(s, c) for c in controls for s in control_seeds]
+    runs = results.sweep(path, jobs, overrides, n_jobs=args.jobs, cell_timeout=args.cell_timeout,
+                         keep_runs=args.keep_runs)
+    keep = getattr(args, "no_controls", False)
+    return results.write(target, path.stem, runs, overrides, controls, keep_controls=keep)
+
+
+def cmd_audit(args) -> int:
+    """Each notebook's claims on seeds its results file was not fitted on, and each control on other seeds, swept
+    into OUT/results/<stem>.json (the committed results files untouched); OUT/audit.md says what did not hold."""
+    from lab.core import results
+
+    paths = resolve(args.names, args.notebooks)
+    seeds, control_seeds = results.parse_seeds(args.seeds), results.parse_seeds(args.control_seeds)
+    plan(paths, {})
+    out, datas = Path(args.out), []
+    with zygote.warm():
+        for path in paths:
+            data = _sweep(path, seeds, control_seeds, declared_controls(path), {},
+                          results.path_of(path.stem, out), args)
+            print(results.summary(data), flush=True)
+            datas.append(data)
+    text = results.audit(datas, out)
+    (out / "audit.md").write_text(f"# Audit: held-out seeds {args.seeds}, control seeds {args.control_seeds}\n\n"
+                                  + text)
+    print(text + f"written: {out / 'audit.md'}")
+    return 0 if all(results.holds(d) for d in datas) else 1
 
 
 def cmd_list(args) -> int:
@@ -338,6 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     swp.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: one per core)")
     swp.add_argument("--cell-timeout", type=int, default=None, help="seconds per cell, passed to each run")
     swp.add_argument("--out", default=None, help="results file (default notebooks/results/<stem>.json)")
+    swp.add_argument("--keep-runs", action="store_true", help="keep each run's notebook and record (path printed)")
+    aud = sub.add_parser("audit", help="claims on held-out seeds, controls on other seeds -> reports/audit")
+    aud.add_argument("names", nargs="+", help="notebook stems or slugs, or 'all'")
+    aud.add_argument("--seeds", default="10-14", help="seeds the claims were not fitted on (default 10-14)")
+    aud.add_argument("--control-seeds", default="1,2", help="seeds for each control (default 1,2; recorded: 0)")
+    aud.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: one per core)")
+    aud.add_argument("--cell-timeout", type=int, default=None, help="seconds per cell, passed to each run")
+    aud.add_argument("--out", default="reports/audit", help="folder (default reports/audit)")
+    aud.add_argument("--keep-runs", action="store_true", help="keep each run's notebook and record (path printed)")
     lst = sub.add_parser("list", help="notebooks, papers and last status")
     lst.add_argument("--out", default="reports")
     rep = sub.add_parser("report", help="re-render HTML and the index from executed notebooks")
@@ -355,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     args.options = rest
     try:
         return {"run": cmd_run, "list": cmd_list, "report": cmd_report, "bench": cmd_bench,
-                "sweep": cmd_sweep}[args.cmd](args)
+                "sweep": cmd_sweep, "audit": cmd_audit}[args.cmd](args)
     except (UsageError, ParamError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

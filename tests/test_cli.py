@@ -28,9 +28,9 @@ def write_nb(folder, stem, body, title="Synthetic"):
     nbformat.write(nb, folder / f"{stem}.ipynb")
 
 
-def lab(*args, nbdir):
+def lab(*args, nbdir, env=None):
     return subprocess.run([sys.executable, "-m", "lab", "--notebooks", str(nbdir), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 GOOD = ('from lab.core import check, record\nrecord("m", {"a": 1})\n'
@@ -144,6 +144,31 @@ def test_a_control_on_several_seeds_breaks_a_claim_only_if_it_breaks_it_on_every
     claims = [{"name": "holds", "op": ">=", "threshold": 0.5}, {"name": "also", "op": ">=", "threshold": 0.5}]
     found = problems("01_good", claims, {"flip": ["holds"]}, folder=tmp_path, seeds=range(1))
     assert found == ["control 'flip' does not break 'holds' on seed 2 (recorded 0.9)"]
+
+
+@pytest.mark.timeout(300)
+def test_audit_sweeps_held_out_and_control_seeds_into_its_folder_and_says_what_did_not_hold(nbdir, tmp_path):
+    """`lab audit good --seeds 2-3 --control-seeds 1,2`: the claims hold on seeds 2-3, control `flip` (holds =
+    seed − 1.1) breaks "holds" on seed 1 but not on seed 2, and `weak` never breaks "also": exit 1, audit.md names
+    both, the results file lands under OUT/results, and each sweep's run folders are removed (kept with --keep-runs)."""
+    import os
+
+    out, tmp = tmp_path / "audit", tmp_path / "tmp"
+    tmp.mkdir()
+    proc = lab("audit", "good", "--seeds", "2-3", "--control-seeds", "1,2", "--out", str(out), nbdir=nbdir,
+               env={**os.environ, "TMPDIR": str(tmp)})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads((out / "results" / "01_good.json").read_text())
+    assert data["seeds"] == [2, 3] and sorted(data["controls"]["flip"]["by_seed"]) == ["1", "2"]
+    text = (out / "audit.md").read_text()
+    assert "| 01_good | [2, 3] | 2/2 | 1, 2 | 0/2 | also = 1 (>= 0.5) |" in text
+    assert "- 01_good: control 'flip' does not break 'holds' on seed 2 (recorded 0.9)" in text
+    assert "- 01_good: control 'weak' does not break 'also' on seed 1 (recorded 1)" in text
+    assert not list(tmp.glob("lab-sweep-*"))
+    proc = lab("sweep", "good", "--seeds", "0", "--no-controls", "--keep-runs", "--out", str(tmp_path / "r.json"),
+               nbdir=nbdir, env={**os.environ, "TMPDIR": str(tmp)})
+    [kept] = tmp.glob("lab-sweep-01_good-*")
+    assert proc.returncode == 0 and f"kept in {kept}" in proc.stdout and (kept / "method-0" / "01_good.json").exists()
 
 
 def test_bad_names_and_parameters_write_nothing(nbdir, tmp_path):

@@ -15,6 +15,7 @@ is what the hygiene test asserts on (a missing or stale file, a threshold not me
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,8 +56,9 @@ def _commit() -> str:
 
 
 def sweep(nb: Path, jobs: list[tuple[int, str]], overrides: dict, *, n_jobs: int = 2,
-          cell_timeout: int | None = None) -> list[dict]:
-    """Run `(seed, control)` jobs of one notebook, `n_jobs` at a time; returns their run records."""
+          cell_timeout: int | None = None, keep_runs: bool = False) -> list[dict]:
+    """Run `(seed, control)` jobs of one notebook, `n_jobs` at a time; returns their run records. Each run's folder
+    (executed notebook, record of every metric) is removed afterwards unless `keep_runs` (then its path is printed)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"lab-sweep-{nb.stem}-"))
 
     def one(job: tuple[int, str]) -> dict:
@@ -78,8 +80,14 @@ def sweep(nb: Path, jobs: list[tuple[int, str]], overrides: dict, *, n_jobs: int
         print(f"{nb.stem} {mark} {control or seed}: {rec['status']} in {rec['seconds']:.0f} s", flush=True)
         return rec
 
-    with ThreadPoolExecutor(max(1, n_jobs)) as pool:
-        return list(pool.map(one, jobs))
+    try:
+        with ThreadPoolExecutor(max(1, n_jobs)) as pool:
+            return list(pool.map(one, jobs))
+    finally:
+        if keep_runs:
+            print(f"{nb.stem}: each run's notebook and record kept in {tmp}", flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write(target: Path, stem: str, runs: list[dict], overrides: dict, controls: dict[str, list[str]], *,
@@ -218,3 +226,31 @@ def summary(data: dict) -> str:
         lines.append(f"  control {name}: broke {len(c['broken'])}/{len(c['must_break'])}{seeds}" +
                      (f"; held: {c['survived']}" if c["survived"] else ""))
     return "\n".join(lines)
+
+
+def audit(datas: list[dict], folder: Path) -> str:
+    """Markdown: for each notebook swept into `folder` (`lab audit`), the seeds and control seeds that ran, what did
+    not hold (`problems` against the notebook's own claims) and its tightest claim: the smallest margin
+    |value − threshold| / max(|threshold|, 1e-9) over those seeds."""
+    lines = ["| notebook | seeds | runs passed | control seeds | controls broke every claim | tightest claim |",
+             "|---|---|---|---|---|---|"]
+    found = []
+    for d in datas:
+        claims = [{"name": n, **c} for n, c in d["claims"].items()]
+        must = {n: c["must_break"] for n, c in d["controls"].items()}
+        found += [f"- {d['notebook']}: {b}" for b in problems(d["notebook"], claims, must, folder=folder,
+                                                               seeds=d["seeds"])]
+        margins = [(abs(v - c["threshold"]) / max(abs(c["threshold"]), 1e-9), n, v, c) for r in d["runs"]
+                   for n, v in r["values"].items() if (c := d["claims"].get(n)) and isinstance(v, (int, float))
+                   and isinstance(c["threshold"], (int, float))]
+        tight = "—"
+        if margins:
+            _, n, v, c = min(margins, key=lambda m: m[0])
+            tight = f"{n} = {fmt(v)} ({c['op']} {fmt(c['threshold'])})"
+        cseeds = sorted({s for c in d["controls"].values() for s in c.get("by_seed", {str(c["seed"]): None})},
+                        key=int)
+        passed = sum(r["status"] == "passed" for r in d["runs"])
+        broke = sum(not c["survived"] for c in d["controls"].values())
+        lines.append(f"| {d['notebook']} | {fmt(d['seeds'])} | {passed}/{len(d['runs'])} | {', '.join(cseeds) or '—'}"
+                     f" | {broke}/{len(d['controls'])} | {tight} |")
+    return "\n".join(lines + ["", "Did not hold:" if found else "Everything held.", *found]) + "\n"
