@@ -48,7 +48,7 @@ test-gpu: setup
 	TRITON_INTERPRET=0 $(PY) scripts/gpu_floe.py  # every offload policy on a Mixtral-shaped BF16 model (< 8 min)
 	$(PY) -m lab run all -p device cuda --out reports/gpu
 
-## held-out check (not in CI; about an hour on 2 cores): every claim on seeds 10-14, every control on seeds 1-2,
+## held-out check (not in CI; ~35 min on 2 cores): every claim on seeds 10-14, every control on seeds 1-2,
 ## into reports/audit/results/<stem>.json and reports/audit/audit.md (the committed results files untouched)
 audit: setup
 	$(PY) -m lab audit all
