@@ -15,8 +15,10 @@ bytes / host-gather bandwidth, a compute (bytes of weights it reads) / device-me
 memory-bound). `CudaLink` copies pinned host tensors on a side CUDA stream (non_blocking) and times compute and
 copies with CUDA events and the host gather with the host clock; for timing it synchronises once per token
 (`elapsed`; the decode itself still waits where data must reach the host: the routed experts' ids, and a prediction
-before its host gather), and `spans` are read from the events only when asked for. `TimeModel.mixtral_equivalent`
-scales every bandwidth by (toy expert size / Mixtral expert size), so a toy timeline has Mixtral's proportions.
+before its host gather, whose indices come over on a stream of their own so that the wait is for the prediction
+only, not for the experts queued behind it), and `spans` are read from the events only when asked for.
+`TimeModel.mixtral_equivalent` scales every bandwidth by (toy expert size / Mixtral expert size), so a toy timeline
+has Mixtral's proportions.
 `h2d_bandwidth` measures pinned host-to-device copies of row chunks, `gather_bandwidth` the host's row gather.
 """
 
@@ -81,9 +83,14 @@ class SimLink:
         """The time everything issued so far on the compute lane has finished."""
         return self.t
 
+    def host_index(self, idx: Tensor, after) -> Tensor:
+        """The row indices a prediction chose (`after`: its mark), on the host for a gather."""
+        return idx.cpu()
+
     def gather(self, host: Tensor, idx: Tensor, layer: int, what: str, after: float) -> tuple[Tensor, float]:
-        """host[idx] into a staging buffer on the host lane, once `after` (the prediction) has finished."""
-        out = host[idx.cpu()]
+        """host[idx] (idx on the host) into a staging buffer on the host lane, once `after` (the prediction) has
+        finished."""
+        out = host[idx]
         start = max(after, self.host_free)
         self.host_free = start + self.tm.gather(_nbytes(out))
         self.spans.append(Span("host", layer, start, self.host_free, what, after))
@@ -127,6 +134,7 @@ class CudaLink(SimLink):
     def __init__(self, device: str = "cuda"):
         super().__init__(TimeModel())
         self.device, self.stream = device, torch.cuda.Stream(device)
+        self.index_stream = torch.cuda.Stream(device)  # device->host index copies, behind nothing but a prediction
         torch.cuda.synchronize()
         self.t0 = torch.cuda.Event(enable_timing=True)
         self.t0.record()
@@ -148,13 +156,27 @@ class CudaLink(SimLink):
     def mark(self) -> torch.cuda.Event:
         return self._event()
 
+    def host_index(self, idx: Tensor, after) -> Tensor:
+        """idx copied to pinned host memory on a stream of its own that waits for `after` (the prediction that chose
+        idx) only: `idx.cpu()` would wait for everything queued on the compute stream, e.g. the layer's experts that
+        the next layer's gather is meant to overlap."""
+        if not idx.is_cuda:
+            return idx
+        out = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
+        if isinstance(after, torch.cuda.Event):
+            self.index_stream.wait_event(after)
+        with torch.cuda.stream(self.index_stream):
+            out.copy_(idx, non_blocking=True)
+            done = self._event(self.index_stream)
+        done.synchronize()
+        return out
+
     def gather(self, host: Tensor, idx: Tensor, layer: int, what: str, after) -> tuple[Tensor, float]:
-        """Rows into a pinned staging buffer (a ring, reused once its previous copy has finished); waits for
-        `after` (the prediction that chose idx) only, not for the whole stream."""
+        """Rows host[idx] (idx on the host) into a pinned staging buffer (a ring, reused once its previous copy has
+        finished); waits for `after` (the prediction that chose idx) only, not for the whole stream."""
         if isinstance(after, torch.cuda.Event):
             after.synchronize()
         needs = time.perf_counter() - self.h0
-        idx = idx.to("cpu")
         slot = self._ring[self._next % len(self._ring)]
         self._next += 1
         if slot[1] is not None:

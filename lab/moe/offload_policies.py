@@ -148,12 +148,12 @@ def _load_rows(eng, l: int, e: int, idx: Tensor, s: int, after):
     place = f"rows {l % 2}"
     buf = eng.dev[place]
     buf["idx"][s].copy_(idx)  # device-side: the indices were computed on the device
-    n, ready = len(idx), None
+    n, ready, on_host = len(idx), None, eng.link.host_index(idx, after)
     for i in range(eng.chunks):
         a, b = n * i // eng.chunks, n * (i + 1) // eng.chunks
         if a == b:
             continue
-        staged, gathered = eng.link.gather(eng.host[l, e]["rows"], idx[a:b], l, f"gather {e}", after)
+        staged, gathered = eng.link.gather(eng.host[l, e]["rows"], on_host[a:b], l, f"gather {e}", after)
         ready = eng.link.copy(staged, buf["rows"][s, a:b], l, f"rows {e}", (gathered, eng.free.get(place)))
         eng.stats.bytes[-1] += st.nbytes(staged)
     return ready
