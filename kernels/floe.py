@@ -241,7 +241,7 @@ def int2_gemv(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size
 
 
 def sparse_expert(x: Tensor, rows: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, idx: Tensor,
-                  group_size: int) -> Tensor:
+                  group_size: int, *, autotune: bool = False) -> Tensor:
     """FloE's expert on its transferred neurons (Alg. 1 on the compact rows): a_up = W_up[idx] x from the resident
     INT2 W_up (`int2_gemv` on rows idx), h = SiLU(W_gate[idx] x) ⊙ a_up, y = Σ_j h_j W_downᵀ[idx_j], with
     rows (n, 2, H) = [gate row, down column] read in place (strided). x (H,) -> (H,) in x's dtype."""
@@ -249,9 +249,9 @@ def sparse_expert(x: Tensor, rows: Tensor, packed: Tensor, scale: Tensor, zero: 
            f"sparse_expert needs rows (n, 2, H) and idx (n,) for x (H,); got {tuple(rows.shape)}, {tuple(idx.shape)}, "
            f"{tuple(x.shape)}.")
     every = torch.ones(rows.shape[0], dtype=torch.bool, device=x.device)
-    a_up = int2_gemv(x, packed, scale, zero, group_size, x.shape[-1], rows=idx)
-    h = masked_gate_up(x, rows[:, 0], a_up, every)
-    return masked_down(h, rows[:, 1], every).to(x.dtype)
+    a_up = int2_gemv(x, packed, scale, zero, group_size, x.shape[-1], rows=idx, autotune=autotune)
+    h = masked_gate_up(x, rows[:, 0], a_up, every, autotune=autotune)
+    return masked_down(h, rows[:, 1], every, autotune=autotune).to(x.dtype)
 
 
 def sparse_expert_ref(x: Tensor, rows: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, idx: Tensor,

@@ -14,12 +14,16 @@ from kernels.floe import int2_gemv, int2_gemv_ref, masked_down, masked_gate_up, 
 
 
 def _ms(fn, warmup: int = 10, reps: int = 50) -> float:
-    """Median milliseconds of `fn()` over `reps` CUDA-event-timed runs after `warmup` runs."""
+    """Median milliseconds of `fn()` over `reps` CUDA-event-timed runs after `warmup` runs, the L2 cache flushed before
+    each (as `triton.testing.do_bench` does): an INT2 W_up (~18 MB at Mixtral's shape) would otherwise stay in an
+    H100/H200's 50 MB L2 between runs while the dense FP16 one (117 MB) cannot, flattering the INT2 side."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush.zero_()
         a.record()
         fn()
         b.record()
@@ -64,7 +68,8 @@ def bench(n_hidden: int = 4096, n_ff: int = 14336, keep: tuple[float, ...] = (0.
         n = max(1, round(frac * n_ff))
         idx = torch.randperm(n_ff, generator=gen)[:n].sort().values.to(device)
         rows = torch.stack([Wg[idx], Wd_t[idx]], 1)
-        ms = _ms(lambda rows=rows, idx=idx: sparse_expert(x, rows, packed, scale, zero, idx, group_size))
+        ms = _ms(lambda rows=rows, idx=idx: sparse_expert(x, rows, packed, scale, zero, idx, group_size,
+                                                          autotune=autotune))
         out["compact"][frac] = {"ms": ms, "speedup": out["dense_ms"] / ms}
     out["up_dense_ms"] = _ms(lambda: F.linear(x, Wu))
     out["int2_ref_ms"] = _ms(lambda: int2_gemv_ref(x, packed, scale, zero, group_size, n_hidden))

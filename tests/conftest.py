@@ -112,6 +112,17 @@ class NotebookRuns:
         return self.done[stem]
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate's process-wide state reset before and after a test that builds an `Accelerator` with other settings
+    (mixed precision) than the rest of the session's."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="session")
 def notebook_runs(tmp_path_factory) -> NotebookRuns:
     return NotebookRuns(tmp_path_factory.mktemp("reports"))

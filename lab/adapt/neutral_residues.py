@@ -132,9 +132,9 @@ def attach(model: nn.Module, spec: AdapterSpec) -> list[GatedAdapter]:
     for p in model.parameters():
         p.requires_grad_(False)
     d, L = model.config.hidden_size, len(layers)
-    ref = next(model.parameters())
     adapters = []
-    for layer in layers:
+    for layer in layers:  # on its layer's device (a model loaded with device_map="auto" spans several)
+        ref = next(layer.mlp.parameters())
         a = GatedAdapter(d, spec, L).to(device=ref.device, dtype=ref.dtype)
         layer.mlp = ParallelFFN(layer.mlp, a)
         adapters.append(a)
@@ -156,14 +156,15 @@ def local_loss(adapters: list[GatedAdapter], mask: Tensor) -> Tensor:
     Zero (with a graph) when no token is masked."""
     if not bool(mask.any()):
         return adapters[0].r.sum() * 0.0
-    return torch.stack([a.r.abs().mean(-1)[mask].mean() for a in adapters]).mean()
+    dev = adapters[0].r.device
+    return torch.stack([a.r.abs().mean(-1)[mask.to(a.r.device)].mean().to(dev) for a in adapters]).mean()
 
 
 def domain_loss(adapters: list[GatedAdapter], new: Tensor) -> Tensor:
     """The sigmoid-gate ablation's auxiliary loss: BCE of every layer's gate (per token, averaged over channels
     for a vector gate) against the domain, 1 on new-domain tokens and 0 on original ones."""
-    g = torch.stack([a.g.mean(-1) for a in adapters])  # (L, B, T)
-    target = new.to(g.dtype).expand_as(g)
+    g = torch.stack([a.g.mean(-1).to(adapters[0].g.device) for a in adapters])  # (L, B, T)
+    target = new.to(device=g.device, dtype=g.dtype).expand_as(g)
     return nn.functional.binary_cross_entropy(g.clamp(1e-6, 1 - 1e-6), target)
 
 

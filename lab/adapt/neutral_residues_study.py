@@ -150,8 +150,8 @@ def adapt(base, stream: list[dict], arm: Arm, *, lora_r: int = 8, seed: int = 0,
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     model.eval()
-    return acc.unwrap_model(model), adapters, {"losses": losses, "seconds": time.perf_counter() - t0,
-                                               "trainable": sum(p.numel() for p in trainable)}
+    info = {"losses": losses, "seconds": time.perf_counter() - t0, "trainable": sum(p.numel() for p in trainable)}
+    return acc.unwrap_model(model, keep_fp32_wrapper=False), adapters, info
 
 
 @torch.no_grad()

@@ -215,7 +215,7 @@ def checkpoint_study(model: str, data: str, *, n: int, k: int, m: int, steps: in
     oe_seconds = time.perf_counter() - t0
     after_oe = loss_of(oe_model)
     out = Path(out_dir or tempfile.mkdtemp(prefix="over_tokenized-"))
-    ot.save(acc.unwrap_model(oe_model), out, tok)
+    ot.save(acc.unwrap_model(oe_model, keep_fp32_wrapper=False), out, tok)
     back = ot.load(out).to(acc.device).eval()
     with torch.no_grad():
         x = ev[:2].to(acc.device)

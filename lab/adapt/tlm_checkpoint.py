@@ -173,7 +173,8 @@ def adapt(model, inputs: list[Tensor], objective: Objective, *, lr: float, mixed
             log.losses.append(loss.item())
         else:
             log.losses.append(None)
-    model.eval()
+    acc.unwrap_model(policy, keep_fp32_wrapper=False)  # mixed precision's autocast forward removed: the arms are
+    model.eval()  # scored at the precision the base was
     return log
 
 

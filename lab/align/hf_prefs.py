@@ -163,7 +163,7 @@ def fit_adapter(model, data: list, cfg: Config, name: str, collate, loss_of, *, 
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     model.eval()
-    return acc.unwrap_model(policy), losses
+    return acc.unwrap_model(policy, keep_fp32_wrapper=False), losses  # scored without autocast, as the base
 
 
 def train(model, tokenizer, rows: list[dict], cfg: Config, *, name: str | None = None,

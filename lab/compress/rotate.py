@@ -122,19 +122,20 @@ def rotate_r1(model: nn.Module, Q: Tensor, *, wrong_side: bool = False) -> nn.Mo
     """R1 merged into the residual stream (norms must be fused first): embedding E ← E·Q, readers (q/k/v,
     gate/up, lm_head) W ← W·Q, writers (o, down) W ← Qᵀ·W. `wrong_side` (a known-wrong control) multiplies the
     readers by Qᵀ instead, which breaks the invariance."""
-    Q = Q.double().to(model.lm_head.weight.device)
-    R = Q.T if wrong_side else Q
+    copies = {}  # Q on each device the weights live on (a model loaded with device_map="auto" spans several)
+    on = lambda w: copies[w.device] if w.device in copies else copies.setdefault(w.device, Q.double().to(w.device))
+    R = (lambda w: on(w).T) if wrong_side else on
     emb = model.model.embed_tokens
-    emb.weight.data = (emb.weight.double() @ Q).to(emb.weight.dtype)
+    emb.weight.data = (emb.weight.double() @ on(emb.weight)).to(emb.weight.dtype)
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
         for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
-            _set(lin, lin.weight.double() @ R)
+            _set(lin, lin.weight.double() @ R(lin.weight))
         for lin in (a.o_proj, m.down_proj):
-            _set(lin, Q.T @ lin.weight.double())
+            _set(lin, on(lin.weight).T @ lin.weight.double())
             if lin.bias is not None:
-                lin.bias.data = (lin.bias.double() @ Q).to(lin.bias.dtype)
-    _set(model.lm_head, model.lm_head.weight.double() @ R)
+                lin.bias.data = (lin.bias.double() @ on(lin.bias)).to(lin.bias.dtype)
+    _set(model.lm_head, model.lm_head.weight.double() @ R(model.lm_head.weight))
     return model
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from functools import cache
 from pathlib import Path
 
 ENV = "LAB_KERNEL_ZYGOTE"
+_SOCKETS = itertools.count()  # the runner's kernels' socket names
 PRELOAD = ("torch", "transformers", "sklearn", "lab.core", "lab.models", "ipykernel.kernelapp", "ipykernel.ipkernel")
 # (sklearn: several notebooks use it, and it sets Intel OpenMP's KMP_ variables at import, as joblib does: a runner
 # that imported it would otherwise differ from the zygote in them)
@@ -87,8 +89,21 @@ def kernel_manager() -> type:
     """jupyter_client's kernel manager, starting `ipykernel_launcher` kernels through the zygote when one is
     exported (defined on first use: the launcher, which imports this module, does not need jupyter_client)."""
     from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
 
     class KernelManager(AsyncKernelManager):
+        # Unix sockets: a headless kernel needs no TCP port (and ipykernel ≥ 7 warns at every start that TCP is
+        # unencrypted). Their path is absolute: the kernel runs in the notebook's folder, the client does not.
+        @default("transport")
+        def _transport_default(self) -> str:
+            return "ipc"
+
+        @default("ip")
+        def _ip_default(self) -> str:
+            if self.transport != "ipc":
+                return "127.0.0.1"
+            return os.path.join(tempfile.gettempdir(), f"lab-kernel-{os.getpid()}-{next(_SOCKETS)}")
+
         def format_kernel_cmd(self, extra_arguments=None):
             cmd = super().format_kernel_cmd(extra_arguments)
             if _served() and cmd[1:3] == ["-m", "ipykernel_launcher"]:

@@ -10,11 +10,25 @@ class ModelNotAvailable(RuntimeError):
     """A model is neither a local folder nor reachable on the hub."""
 
 
+def placement(device: str, env=None) -> dict:
+    """`from_pretrained`'s placement: on CUDA `device_map="auto"` (a model larger than one GPU spreads over the GPUs
+    present); under a distributed launch (`accelerate launch`, `torchrun`: WORLD_SIZE > 1) every process holds the
+    whole model on its own GPU, `{"": LOCAL_RANK}`, as data-parallel training needs (accelerate refuses to train a
+    model spread by "auto" over several processes); elsewhere nothing (the model is moved to `device`)."""
+    env = os.environ if env is None else env
+    if device != "cuda":
+        return {}
+    if int(env.get("WORLD_SIZE", "1")) > 1:
+        return {"device_map": {"": int(env.get("LOCAL_RANK", "0"))}}
+    return {"device_map": "auto"}
+
+
 def load_model(name_or_path: str, *, device: str = "cpu", dtype=None, attn_implementation: str = "eager"):
     """`(model, tokenizer)` from a local folder (written by `save_pretrained`) or a hub id.
 
     On `device="cuda"` the weights load with `device_map="auto"` (accelerate), so a model larger than one
-    GPU spreads over the GPUs present (and CPU memory after them); otherwise the model moves to `device`.
+    GPU spreads over the GPUs present (and CPU memory after them), or under a distributed launch one whole copy per
+    process on its own GPU (`placement`); otherwise the model moves to `device`.
     The tokenizer is None when the folder has none. Offline (no network, or `HF_HUB_OFFLINE=1`, as
     smoke scale sets) a hub id that is not in the local Hugging Face cache raises
     `ModelNotAvailable` with one sentence saying so.
@@ -25,7 +39,7 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype=None, attn_imple
     is_local = local.is_dir()
     source = str(local) if is_local else name_or_path
     try:
-        spread = {"device_map": "auto"} if device == "cuda" else {}
+        spread = placement(device)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
                                                      **spread)
     except (OSError, ValueError) as e:
@@ -52,7 +66,7 @@ def load_reward_model(name_or_path: str, *, device: str = "cpu", dtype=None):
     local = Path(os.path.expanduser(name_or_path))
     source = str(local) if local.is_dir() else name_or_path
     try:
-        spread = {"device_map": "auto"} if device == "cuda" else {}
+        spread = placement(device)
         model = AutoModelForSequenceClassification.from_pretrained(source, dtype=dtype, **spread)
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:

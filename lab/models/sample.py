@@ -18,6 +18,7 @@ def sample(model, prefix: Tensor, steps: int, *, generator: torch.Generator, tem
     for i in range(steps):
         logits = model(input_ids=x).logits[:, -1].float().cpu()  # (n, V)
         if i == 0 and ban is not None:
+            ban = ban.cpu()  # the logits are on the host; ban may come from responses on the model's device
             rows = (ban >= 0).nonzero()[:, 0]
             logits[rows, ban[rows]] = -math.inf
         if temperature == 0:

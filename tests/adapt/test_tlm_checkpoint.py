@@ -44,6 +44,21 @@ def test_adapt_through_accelerate_equals_the_loop():
     assert any(w.abs().sum() > 0 for n, w in w_got.items() if "lora_B" in n)  # it did move
 
 
+def test_a_mixed_precision_adaptation_leaves_no_autocast_behind(fresh_accelerate):
+    """Under mixed precision (bf16 here, on CPU) accelerate wraps the model's forward in autocast; `adapt` removes
+    it, so each arm is scored at the precision the base model was."""
+    m = T.add_lora(model())
+    inputs = [torch.randint(V, (1, 6), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    objective = T.tlm_objective(threshold=0.0, lamb=0.1, base_ce=T.base_ce(m))
+    tc.adapt(m, inputs, objective, lr=1e-2, mixed_precision="bf16", quiet=True)
+    x = inputs[0]
+    with torch.no_grad():
+        out = m(input_ids=x).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = m(input_ids=x).logits.float()
+    assert "_original_forward" not in vars(m) and (out - bf16).abs().max() > 1e-4
+
+
 def test_target_rows_of_text_problems_and_alpaca(tmp_path):
     (tmp_path / "t.txt").write_text("one line\n\nanother line\n")
     assert sorted(r["input"] for r in tc.target_rows(str(tmp_path / "t.txt"), n=5)) == ["another line", "one line"]

@@ -88,6 +88,23 @@ def test_dpo_steps_raise_the_training_margin(tok):
     assert losses[-1] < losses[0]
 
 
+def test_a_mixed_precision_arm_is_evaluated_without_autocast(tok, fresh_accelerate):
+    """accelerate's mixed precision wraps the prepared model's forward in autocast (bf16 here, on CPU); the trained arm
+    comes back without it, so it is scored at the precision of the base model and the reference."""
+    rows = pairs(8)
+    model, _ = hp.train(tiny(tok), tok, rows, hp.Config(steps=2, lr=5e-3, batch_size=4, mixed_precision="bf16"),
+                        name="dpo", quiet=True)
+    ids = torch.tensor([[2, 4, 5, 6]])
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+        with model.disable_adapter():
+            ref = model(input_ids=ids).logits
+    assert "_original_forward" not in vars(model) and out.dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # what the wrapper would have computed
+        bf16 = model(input_ids=ids).logits.float()
+    assert (out - bf16).abs().max() > 1e-4 and torch.isfinite(ref).all()
+
+
 def test_every_registry_loss_trains(tok):
     rows = pairs(8)
     ranked = [{"prompt": r["prompt"], "responses": [r["chosen"], "b b", r["rejected"]], "rewards": [1.0, 0.5, 0.0]}

@@ -107,3 +107,17 @@ def test_the_zygote_imports_with_what_setup_sets_first(tmp_path, monkeypatch):
         got = execute(["import os, sys, huggingface_hub.constants as c\nprint('triton' in sys.modules, "
                        "os.environ.get('TRITON_INTERPRET'), c.HF_HUB_OFFLINE)"], tmp_path)
     assert got == [["True 1 True\n"]]  # forked after triton loaded, with the interpreter and the hub offline
+
+
+def test_kernels_talk_over_unix_sockets_removed_after_the_run(warm, tmp_path):
+    """ipc transport at an absolute path (the kernel runs in the notebook's folder, the client elsewhere): no TCP
+    port, and no socket file left behind."""
+    import glob
+    import tempfile
+
+    km = zygote.kernel_manager()()
+    assert km.transport == "ipc" and os.path.isabs(km.ip)
+    mine = os.path.join(tempfile.gettempdir(), f"lab-kernel-{os.getpid()}-*")  # this process's kernels only
+    before = set(glob.glob(mine))
+    assert execute(["print(1 + 1)"], tmp_path) == [["2\n"]]
+    assert set(glob.glob(mine)) == before

@@ -28,3 +28,13 @@ def test_offline_hub_id_says_so(monkeypatch):
 def test_folder_without_model(tmp_path):
     with pytest.raises(ModelNotAvailable, match="holds no loadable model"):
         load_model(str(tmp_path))
+
+
+def test_placement_on_cuda_spreads_unless_launched_distributed():
+    from lab.models.pretrained import placement
+
+    assert placement("cpu", {"WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == {}
+    assert placement("cuda", {}) == {"device_map": "auto"}
+    assert placement("cuda", {"WORLD_SIZE": "1"}) == {"device_map": "auto"}
+    # accelerate launch / torchrun: one whole model per process, on the process's own GPU
+    assert placement("cuda", {"WORLD_SIZE": "4", "LOCAL_RANK": "3"}) == {"device_map": {"": 3}}
