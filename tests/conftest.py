@@ -112,6 +112,15 @@ class NotebookRuns:
         return self.done[stem]
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """torch's global generator seeded before every test: a test that draws without its own generator draws the same
+    numbers whatever ran before it in its worker (pytest-xdist shares tests out differently as the suite grows)."""
+    import torch
+
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def fresh_accelerate():
     """accelerate's process-wide state reset before and after a test that builds an `Accelerator` with other settings

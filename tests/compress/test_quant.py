@@ -42,13 +42,17 @@ def test_hqq_beats_rtn_and_error_falls_with_bits(nbits):
         assert float((W - fake_quantize(W, nbits + 1, 32)).abs().mean()) < err["hqq"]
 
 
-def test_groups_are_independent_and_shapes():
-    W = torch.randn(3, 70)
+@pytest.mark.parametrize("seed", range(5))
+def test_groups_are_independent_and_shapes(seed):
+    """Every HQQ step solves each group on its own; only the early stop looks at the whole tensor's error (as the
+    package's does), so groups are independent at a fixed number of steps (no early stop can come before step 2)."""
+    W = torch.randn(3, 70, generator=torch.Generator().manual_seed(seed))
     Q = quantize(W, 2, 32)
     assert Q.scale.shape == Q.zero.shape == (3, 3) and Q.dequantize().shape == (3, 70)
     W2 = W.clone()
     W2[:, 40:] *= 100  # other groups must not change the first group's reconstruction
-    assert torch.allclose(quantize(W2, 2, 32).dequantize()[:, :32], Q.dequantize()[:, :32])
+    one = lambda M: quantize(M, 2, 32, iters=1).dequantize()[:, :32]
+    assert torch.allclose(one(W2), one(W))
 
 
 def test_bits_per_weight_counts_metadata():
