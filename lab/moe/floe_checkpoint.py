@@ -12,7 +12,10 @@ device-tier simulator on CPU, measured with CUDA events on a GPU), misses and de
 policy. Measurements only: the toy's thresholds say nothing about another model.
 
 Precision: the model is loaded in float32, the precision the measurements here (thresholds, layer errors, HQQ) are
-made and tested in. Layer 0 stays dense, as in the notebook's toy.
+made and tested in; a model whose float32 weights exceed the memory of the device it would load on (one GPU, or the
+host's available memory) is refused from its config, before any weight is read — Mixtral-8x7B needs 187 GB, more than
+one 141 GB H200 (an analysis in bfloat16 is not supported: its layer errors, ~1e-3 relative, would be at bfloat16's
+rounding). Layer 0 stays dense, as in the notebook's toy.
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ def load_moe(model: str, device: str = "cpu") -> tuple[nn.Module, object]:
         raise ParamError(f"model={model!r} is a {kind!r} model without sparse-MoE experts; FloE compresses and "
                          f"offloads experts, so it needs an MoE of the Mixtral or Qwen-MoE family "
                          f"({', '.join(FAMILIES)}).")
+    if kind is not None:
+        need, have = 4 * n_params(model), memory(device)
+        if need > have:
+            raise ParamError(f"model={model!r} needs {need / 1e9:.0f} GB in float32, the precision these measurements "
+                             f"are made in, and this {device} has {have / 1e9:.0f} GB; use a smaller MoE (e.g. "
+                             f"Qwen1.5-MoE-A2.7B, 57 GB) or a machine with more memory.")
     net, tok = load_model(model, device=device, dtype=torch.float32)
     if not all(hasattr(m, "experts") and hasattr(m, "gate") for m in blocks.moe_blocks(net)):
         raise ParamError(f"model={model!r} has decoder layers without a sparse-MoE block; FloE needs experts in "
@@ -51,6 +60,25 @@ def load_moe(model: str, device: str = "cpu") -> tuple[nn.Module, object]:
     if tok is None:
         raise ParamError(f"model={model!r} has no tokenizer in its folder; save one beside the weights.")
     return net, tok
+
+
+def n_params(model: str) -> int:
+    """The model's parameter count from its config alone (built on the meta device: no weight is read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    return sum(p.numel() for p in net.parameters())
+
+
+def memory(device: str) -> int:
+    """Bytes the model can be loaded into: the GPU's memory on CUDA (one GPU: the offload engine's device tier is
+    one GPU), else the host's available memory."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def checkpoint(model: str, data: str, cfg: fl.Config, *, k: float = 0.8, n_blocks: int = 8, block_len: int = 128,

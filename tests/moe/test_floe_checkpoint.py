@@ -28,6 +28,23 @@ def test_a_dense_model_is_refused_from_its_config_alone(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_a_model_larger_than_the_device_is_refused_before_its_weights_are_read(tmp_path, monkeypatch):
+    tok = word_tokenizer(WORDS)
+    net = tiny_mixtral(vocab_size=len(tok), d_model=32, n_layers=2, n_heads=4, d_ff=64, n_experts=4)
+    net.save_pretrained(tmp_path)
+    n = sum(p.numel() for p in net.parameters())
+    assert fc.n_params(str(tmp_path)) == n
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()  # a refusal that read the weights could not get past this
+    monkeypatch.setattr(fc, "memory", lambda device: 4 * n - 1)
+    with pytest.raises(ParamError, match="needs 0 GB in float32.*this cpu has 0 GB") as e:
+        fc.load_moe(str(tmp_path))
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(fc, "memory", lambda device: 4 * n)  # fits: on to loading, which finds no weights
+    with pytest.raises(Exception, match="no loadable model|safetensors|weights"):
+        fc.load_moe(str(tmp_path))
+
+
 @pytest.mark.notebook
 @pytest.mark.timeout(300)
 def test_notebook_on_a_saved_mixtral_is_measured(tmp_path):
