@@ -9,7 +9,7 @@ import sys
 import nbformat
 import pytest
 
-from lab.cli import parse_value, resolve
+from lab.core.runner import parse_value, resolve
 
 from .conftest import ROOT
 

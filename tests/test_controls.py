@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from lab.cli import declared_controls
 from lab.core import results
+from lab.core.runner import declared_controls
 
 from .conftest import NOTEBOOKS, run_lab
 

@@ -36,7 +36,7 @@ def test_notebook_is_clean_and_follows_the_contract(path: Path):
     assert [params[k]["default"] for k in CONTRACT] == ['"smoke"', '"auto"', "0", '"tiny"', '""']
     assert "lab.core.setup(scale, device, seed, model, control" in code[1].source, "the setup cell comes second"
     assert code[-1].source.strip() == "lab.core.verdict()", "the last code cell judges every claim at once"
-    from lab.cli import declared_controls
+    from lab.core.runner import declared_controls
 
     assert declared_controls(path), "every notebook declares the controls that break its claims"
     assert f'seed_table("{path.stem}")' in "".join(c.source for c in code), "the results table comes from the sweep"

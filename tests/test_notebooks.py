@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from lab.cli import declared_controls
 from lab.core import read_records
 from lab.core.results import problems
+from lab.core.runner import declared_controls
 
 from .conftest import NOTEBOOKS, run_lab, save_tiny_lm
 

@@ -97,7 +97,7 @@ def test_restarts_use_fresh_seeds_and_the_untrained_control_is_not_trained():
 def test_the_notebook_declares_the_documented_controls():
     from pathlib import Path
 
-    from lab.cli import declared_controls
+    from lab.core.runner import declared_controls
 
     nb = Path(__file__).resolve().parents[1] / "notebooks" / "00_tour.ipynb"
     assert set(declared_controls(nb)) == set(tour.CONTROLS) == {"untrained"}

@@ -90,7 +90,7 @@ def small(**kw):
 def test_config_sizes_knobs_and_controls():
     from pathlib import Path
 
-    from lab.cli import declared_controls
+    from lab.core.runner import declared_controls
     from lab.data.domains import RetentionDomains
 
     smoke, full = T.Config.for_scale("smoke"), T.Config.for_scale("full")

@@ -189,7 +189,7 @@ def test_config_for_scale_and_controls():
 def test_the_notebook_declares_the_documented_controls():
     from pathlib import Path
 
-    from lab.cli import declared_controls
+    from lab.core.runner import declared_controls
 
     nb = Path(__file__).resolve().parents[2] / "notebooks" / "07_olica.ipynb"
     assert set(declared_controls(nb)) == set(ol.CONTROLS)

@@ -75,7 +75,7 @@ def test_decoy_positions_are_other_delimiters():
 def test_the_notebook_declares_the_documented_controls():
     from pathlib import Path
 
-    from lab.cli import declared_controls
+    from lab.core.runner import declared_controls
 
     nb = Path(__file__).resolve().parents[2] / "notebooks" / "09_gather_aggregate.ipynb"
     assert set(declared_controls(nb)) == set(ga.CONTROLS) == {"random_heads", "shuffled", "untrained"}
