@@ -8,8 +8,9 @@ so only row j of W_gate and row j of W_downᵀ are fetched and multiplied. For o
   masked-off rows are never loaded, the H loop runs in BLOCK_H chunks with fp32 accumulation.
 - `masked_down`: y = Σ_{j kept} h_j · W_downᵀ[j]; a grid over (F blocks, H blocks) whose partial sums meet in a
   zero-initialised fp32 output through `tl.atomic_add` (as FloE and CATS do).
-- `int2_gemv`: a_up = W_up x with W_up unpacked from 2-bit codes (the packing of `lab.compress.quant`) and
-  dequantized in registers from FP16 (or FP32) scale/zero; `rows=idx` computes only the kept rows.
+- `int2_gemv`: a_up = W_up x with W_up unpacked from 2-bit codes (the packing of `lab.compress.quant`) in registers;
+  the FP16 (or FP32) scale/zero applied once per group, Σ_g s_g (Σ_{k∈g} q_k x_k − z_g Σ_{k∈g} x_k), not once per
+  weight (fewer loads; no register spills at any autotuner tile); `rows=idx` computes only the kept rows.
 - `sparse_expert`: the offload engine's decode path (`lab.moe.offload_policies`) on CUDA: the three kernels on the
   compact transferred rows (n, 2, H), read in place through their row stride, output in x's dtype.
 - `gather_rows`: kept gate row j and down row j side by side, FloE's compact transfer layout.
@@ -126,10 +127,27 @@ def _int2_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, idx_ptr, N, stride_q, s
         xv = tl.load(x_ptr + cols, mask=in_k, other=0.0).to(tl.float32)
         byte = tl.load(q_ptr + w_rows[:, None] * stride_q + (cols // 4)[None, :], mask=m2, other=0).to(tl.int32)
         q = ((byte >> ((cols % 4) * 2)[None, :]) & 3).to(tl.float32)  # (BLOCK_N, BLOCK_K) codes
-        g = w_rows[:, None] * stride_s + (cols // GROUP)[None, :]
-        s = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)  # fp16 or fp32 scale/zero, read as they are
-        z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
-        acc += tl.sum((q - z) * s * xv[None, :], axis=1)
+        # Σ_k (q − z_g) s_g x_k = Σ_g s_g (Σ_{k∈g} q x − z_g Σ_{k∈g} x): scale and zero (fp16 or fp32, read as they
+        # are) loaded once per group, not per weight, where a chunk holds whole groups or lies inside one
+        if BLOCK_K % GROUP == 0:
+            gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # (NG,) the chunk's groups
+            g2 = in_n[:, None] & (gi * GROUP < K)[None, :]
+            g = w_rows[:, None] * stride_s + gi[None, :]
+            s = tl.load(s_ptr + g, mask=g2, other=0.0).to(tl.float32)  # (BLOCK_N, NG)
+            z = tl.load(z_ptr + g, mask=g2, other=0.0).to(tl.float32)
+            qx = tl.sum(tl.reshape(q * xv[None, :], (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2)  # (BLOCK_N, NG)
+            xs = tl.sum(tl.reshape(xv, (BLOCK_K // GROUP, GROUP)), axis=1)  # (NG,)
+            acc += tl.sum(s * (qx - z * xs[None, :]), axis=1)
+        elif GROUP % BLOCK_K == 0:
+            g = w_rows * stride_s + k0 // GROUP
+            s = tl.load(s_ptr + g, mask=in_n, other=0.0).to(tl.float32)  # (BLOCK_N,)
+            z = tl.load(z_ptr + g, mask=in_n, other=0.0).to(tl.float32)
+            acc += s * (tl.sum(q * xv[None, :], axis=1) - z * tl.sum(xv, axis=0))
+        else:  # a group size that neither divides nor is divided by the chunk: scale and zero per weight
+            g = w_rows[:, None] * stride_s + (cols // GROUP)[None, :]
+            s = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+            acc += tl.sum((q - z) * s * xv[None, :], axis=1)
     tl.store(y_ptr + rows, acc, mask=in_n)
 
 

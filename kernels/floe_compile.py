@@ -114,8 +114,10 @@ def compile_one(launch: Launch, arch: int) -> dict:
             "atomics": len(re.findall(r"\b(?:red|atom)\.global", k.asm["ptx"]))}
 
 
-def compile_all(archs=(90,), dtypes=("fp32", "fp16", "bf16"), autotune: bool = False) -> list[dict]:
-    """Every launch of `launches` for each dtype, compiled for each sm_<arch>; raises if the interpreter is on."""
+def compile_all(archs=(90,), dtypes=("fp32", "fp16", "bf16"), autotune: bool = False,
+                cfgs: dict[str, list[dict]] | None = None) -> list[dict]:
+    """Every launch of `launches` for each dtype (at `cfgs`, default `configs(autotune)`), compiled for each
+    sm_<arch> with ptxas's report; raises if the interpreter is on."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("kernels.floe_compile needs TRITON_INTERPRET unset or 0: under the interpreter Triton "
                            "does not lower kernels.")
@@ -123,7 +125,7 @@ def compile_all(archs=(90,), dtypes=("fp32", "fp16", "bf16"), autotune: bool = F
         raise ValueError(f"unknown dtype(s) {sorted(unknown)}; choose from {sorted(STORE)}.")
     import triton
 
-    cfgs = configs(autotune)
+    cfgs = configs(autotune) if cfgs is None else cfgs
     with tempfile.TemporaryDirectory() as cache:  # a cold cache: every launch is compiled, and ptxas reports it
         with triton.knobs.cache.scope(), triton.knobs.nvidia.scope():
             triton.knobs.cache.dir, triton.knobs.nvidia.dump_ptxas_log = cache, True

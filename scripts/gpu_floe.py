@@ -5,8 +5,9 @@ intermediate 14336, 8 experts, top-2; `--layers` decoder layers, layer 0 residen
 Prints and writes (reports/gpu/floe_engine.json) per policy: tokens/s (first token left out), host-to-device bytes
 per token (and device-to-host: Mixtral-offloading's write-back), misses, the engine's device-resident expert bytes,
 `torch.cuda.max_memory_allocated` during the decode beside the planned bytes (the model's non-expert parameters + the
-engine's device tier), the max |Δ| of its logits against the dense model's (BF16 policies ≈ 0 up to rounding;
-quantized and sparse ones larger), and FloE's logits with the kernels against the torch path on the same tokens.
+engine's device tier + any released expert storage another tensor still held: 0 here), the max |Δ| of its logits
+against the dense model's (BF16 policies ≈ 0 up to rounding; quantized and sparse ones larger), and FloE's logits
+with the kernels against the torch path on the same tokens.
 Stops adding policies after `--budget` seconds (default 420).
 `--smoke` runs the same loop on CPU with a tiny model over the simulator (checks the script, measures nothing).
 """
@@ -68,7 +69,8 @@ def main() -> int:
         r = {"tps": (len(st.seconds) - 1) / sum(st.seconds[1:]), "bytes_per_token": sum(st.bytes) / len(st.bytes),
              "bytes_back_per_token": sum(st.bytes_back) / len(st.bytes_back),
              "miss": st.misses / max(1, st.calls), "resident_bytes": st.resident_bytes, "max_memory": st.max_memory,
-             "planned": st.model_bytes + st.resident_bytes, "finite": bool(torch.isfinite(logits).all()),
+             "planned": st.model_bytes + st.resident_bytes + st.held_bytes, "held_bytes": st.held_bytes,
+             "finite": bool(torch.isfinite(logits).all()),
              "max_abs_vs_dense": (logits.float() - dense).abs().max().item(),
              "seconds": time.perf_counter() - t0}
         if policy == "floe" and kw["keep"] == 0.2:

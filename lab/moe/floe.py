@@ -206,15 +206,18 @@ def quant_fn(model: nn.Module, matrix: str | tuple[str, ...], nbits: int, group_
     """Expert function with `matrix` (or several) of every expert fake-quantized with HQQ to `nbits`."""
     blocks = moe_blocks(model)
     pos = [MATRICES.index(m) for m in ((matrix,) if isinstance(matrix, str) else matrix)]
-    cache = {}
+    held = {}  # one layer's quantized experts at a time (a forward pass visits the layers in order): a model's
+    # worth of dequantized copies would double its memory
 
     def fn(l: int, e: int, x: Tensor) -> Tensor:
-        if (l, e) not in cache:
+        if (l, e) not in held:
+            if any(key[0] != l for key in held):
+                held.clear()
             W = [w.detach() for w in weights(blocks[l], e)]
             for p in pos:
                 W[p] = fake_quantize(W[p], nbits, group_size)
-            cache[l, e] = W
-        return expert_out(x, *cache[l, e])
+            held[l, e] = W
+        return expert_out(x, *held[l, e])
 
     return fn
 
@@ -224,14 +227,19 @@ class FloEExpert:
 
     def __init__(self, Wg: Tensor, Wu: Tensor, Wd: Tensor, t: float, nbits: int = 2, group_size: int = 64,
                  on: str = "up", random_seed: int | None = None):
-        self.Wg = Wg.detach()  # (F, H), row j = gate neuron j
-        self.Wd_t = Wd.detach().T.contiguous()  # (F, H), row j = down column j (co-located with gate row j)
-        self.Wq_up: QTensor = quantize(Wu.detach(), nbits, group_size)
-        self.Wu = self.Wq_up.dequantize().to(Wg.dtype)  # (F, H)
+        self.Wg = Wg.detach()  # (F, H), row j = gate neuron j (a view of the model's weight: no copy)
+        self.Wd_t = Wd.detach().T  # (F, H), row j = down column j (a view; the engine's `rows` form co-locates them)
+        self.Wq_up: QTensor = quantize(Wu.detach(), nbits, group_size)  # the only copy an expert holds: packed codes
         self.t = t
         # controls: the mask from |a_gate| (gate_for_up); a random mask of the same size (random_mask), drawn
         # from `random_seed` afresh at each call, so the same x gets the same mask in every form (dense, gathered)
         self.on, self.random_seed = on, random_seed
+
+    @property
+    def Wu(self) -> Tensor:
+        """The INT2 W_up (F, H) dequantized in the model's dtype, on each use (a model's experts in FloE form hold
+        their packed codes, not a second full-precision W_up)."""
+        return self.Wq_up.dequantize().to(self.Wg.dtype)
 
     def mask(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """a_up = x W_upᵀ (n, F) with the INT2 W_up, and the kept-neuron mask |a_up| ≥ t (n, F)."""

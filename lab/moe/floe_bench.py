@@ -205,7 +205,8 @@ def floe_bench(seed: int = 0, device: str = "cpu", pcie_gbps: float = 25.0, n_se
         err = blocks.layer_errors(model, xs_ev, fn)[1:].mean().item()
         del fn  # its decoded experts must not count in the decode's max_memory_allocated (CUDA)
         r = dec.decode(policy, kw)
-        out[name] = {"bytes": r["bytes"], "tps": r["tps"], "loss": r["loss"], "layer_error": err, "miss": r["miss"]}
+        out[name] = {"bytes": r["bytes"], "tps": r["tps"], "loss": r["loss"], "layer_error": err, "miss": r["miss"],
+                     "held": r["held"]}
         out[name] |= {key: r[key] for key in ("max_memory", "planned") if key in r}
     ref = out["FP16 on demand"]
     for r in out.values():

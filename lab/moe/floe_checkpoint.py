@@ -11,11 +11,12 @@ equal sparsity (loss and layer error), and the offload engine's bytes per token,
 device-tier simulator on CPU, measured with CUDA events on a GPU), misses and device-resident expert bytes per
 policy. Measurements only: the toy's thresholds say nothing about another model.
 
-Precision: the model is loaded in float32, the precision the measurements here (thresholds, layer errors, HQQ) are
-made and tested in; a model whose float32 weights exceed the memory of the device it would load on (one GPU, or the
-host's available memory) is refused from its config, before any weight is read — Mixtral-8x7B needs 187 GB, more than
-one 141 GB H200 (an analysis in bfloat16 is not supported: its layer errors, ~1e-3 relative, would be at bfloat16's
-rounding). Layer 0 stays dense, as in the notebook's toy.
+Precision and memory: the model is loaded in float32, the precision the measurements here (thresholds, layer errors,
+HQQ) are made and tested in; a model whose analysis would not fit the device it loads on (one GPU, or the host's
+available memory; `need_bytes`: the float32 model plus one layer's experts, plus the simulator's expert forms on CPU)
+is refused from its config, before any weight is read — Mixtral-8x7B needs 192 GB, more than one 141 GB H200 (an
+analysis in bfloat16 is not supported: its layer errors, ~1e-3 relative, would be at bfloat16's rounding). Layer 0
+stays dense, as in the notebook's toy.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ def load_moe(model: str, device: str = "cpu") -> tuple[nn.Module, object]:
                          f"offloads experts, so it needs an MoE of the Mixtral or Qwen-MoE family "
                          f"({', '.join(FAMILIES)}).")
     if kind is not None:
-        need, have = 4 * n_params(model), memory(device)
+        need, have = need_bytes(model, device), memory(device)
         if need > have:
-            raise ParamError(f"model={model!r} needs {need / 1e9:.0f} GB in float32, the precision these measurements "
-                             f"are made in, and this {device} has {have / 1e9:.0f} GB; use a smaller MoE (e.g. "
-                             f"Qwen1.5-MoE-A2.7B, 57 GB) or a machine with more memory.")
+            raise ParamError(f"model={model!r} needs {need / 1e9:.0f} GB for this analysis in float32, the precision "
+                             f"its measurements are made in, and this {device} has {have / 1e9:.0f} GB; use a smaller "
+                             f"MoE (e.g. Qwen1.5-MoE-A2.7B, 59 GB on a GPU) or a machine with more memory.")
     net, tok = load_model(model, device=device, dtype=torch.float32)
     if not all(hasattr(m, "experts") and hasattr(m, "gate") for m in blocks.moe_blocks(net)):
         raise ParamError(f"model={model!r} has decoder layers without a sparse-MoE block; FloE needs experts in "
@@ -62,13 +63,29 @@ def load_moe(model: str, device: str = "cpu") -> tuple[nn.Module, object]:
     return net, tok
 
 
-def n_params(model: str) -> int:
-    """The model's parameter count from its config alone (built on the meta device: no weight is read)."""
+SIM_FORMS = 1.25  # the simulator's memoised expert forms, in float32 experts (FP16 whole + FP16 rows + INT2 + ...)
+
+
+def counts(model: str) -> dict[str, int]:
+    """The model's parameters, expert parameters and layers from its config alone (built on the meta device: no
+    weight is read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
-    return sum(p.numel() for p in net.parameters())
+    mlps = blocks.moe_blocks(net)
+    return {"params": sum(p.numel() for p in net.parameters()), "layers": len(mlps),
+            "experts": sum(p.numel() for m in mlps if hasattr(m, "experts") for p in m.experts.parameters())}
+
+
+def need_bytes(model: str, device: str) -> int:
+    """Bytes `checkpoint` holds at its peak, from the config: the float32 model and one layer's experts dequantized
+    (the HQQ-expert baseline holds one layer at a time; the FloE experts hold views and packed codes; the engine
+    runs while no analysis holds the experts it releases); on CPU also the simulator's expert forms, memoised for
+    all policies (`SIM_FORMS`; on a GPU the host tier holds one policy's forms, in host memory)."""
+    c = counts(model)
+    sim = SIM_FORMS * c["experts"] if not str(device).startswith("cuda") else 0
+    return int(4 * (c["params"] + c["experts"] / max(1, c["layers"]) + sim))
 
 
 def memory(device: str) -> int:
@@ -93,6 +110,10 @@ def checkpoint(model: str, data: str, cfg: fl.Config, *, k: float = 0.8, n_block
     net, tok = load_moe(model, device)
     dev = next(net.parameters()).device
     cal, ev = (x.to(dev) for x in halves(data, tok, n_blocks, block_len, seed=seed, method="FloE"))
+    # the engine first, while no analysis holds views of the experts it releases (held bytes stay on the device)
+    dec = fd.Decoder(net, ev[:n_decode], device, pcie_gbps, seed=seed)
+    engine = {name: {key: v for key, v in r.items() if key != "spans"}
+              for name, r in dec.decode_all(fd.engine_policies(1 - k)).items()}
     batch = {"input_ids": ev, "labels": ev}
     xs_cal, xs_ev = blocks.moe_inputs(net, cal), blocks.moe_inputs(net, ev)
     base = blocks.eval_loss(net, batch)
@@ -101,9 +122,6 @@ def checkpoint(model: str, data: str, cfg: fl.Config, *, k: float = 0.8, n_block
                               cfg.group_size)
     variants = fb.expert_variants(net, xs_cal, t_fp, k, experts, nbits=cfg.nbits, group_size=cfg.group_size)
     layers = list(range(1, len(xs_ev)))
-    dec = fd.Decoder(net, ev[:n_decode], device, pcie_gbps, seed=seed)
-    engine = {name: {key: v for key, v in r.items() if key != "spans"}
-              for name, r in dec.decode_all(fd.engine_policies(1 - k)).items()}
     mlp0 = blocks.moe_blocks(net)[0]
     return {"model": {"type": net.config.model_type, "layers": len(xs_ev), "experts": mlp0.experts.down_proj.shape[0],
                       "top_k": mlp0.gate.top_k, "params": sum(p.numel() for p in net.parameters())},

@@ -85,12 +85,12 @@ class Decoder:
             out["miss"] += st.misses
             out["calls"] += st.calls
             out["spans"] = eng.link.spans_since(eng.last_token)
-            out["resident"] = st.resident_bytes
-            out["max_memory"], out["planned"] = st.max_memory, st.model_bytes + st.resident_bytes
+            out["resident"], out["held"] = st.resident_bytes, st.held_bytes
+            out["max_memory"], out["planned"] = st.max_memory, st.model_bytes + st.resident_bytes + st.held_bytes
         res = {"loss": sum(out["nll"]) / len(out["nll"]), "bytes": sum(out["bytes"]) / len(out["bytes"]),
                "bytes_back": sum(out["back"]) / len(out["back"]),
                "tps": len(out["sec"]) / sum(out["sec"]), "miss": out["miss"] / max(1, out["calls"]),
-               "spans": out["spans"], "resident": out["resident"]}
+               "spans": out["spans"], "resident": out["resident"], "held": out["held"]}
         return res | ({"max_memory": out["max_memory"], "planned": out["planned"]} if cuda else {})
 
     def decode_all(self, policies: dict[str, tuple[str, dict]], gbps: float | None = None,

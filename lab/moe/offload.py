@@ -35,7 +35,8 @@ Policies (per decoded token and offloaded MoE layer; the forms are `lab.moe.offl
 
 Residency: during `run` the model's own fused expert parameters of every managed layer (all layers but layer 0 when
 it is resident) are released: their data is emptied (the device storage freed, the values kept in host memory) and
-the modules show `meta` parameters of the same shapes; both are restored when `run` returns. Offloaded experts
+the modules show `meta` parameters of the same shapes; both are restored when `run` returns. A storage another tensor
+still holds (a view kept by an analysis) is not freed by this: its bytes are `Stats.held_bytes`. Offloaded experts
 live only in the host tier (pinned on CUDA, `link.to_host`); the device tier `dev` holds exactly what the policy
 keeps there: INT2 W_up and FloE's two buffers, cache slots and buffers, staging slots, and resident layers (`fp`
 form). Layer 0, when resident, runs on the model's own weights for every policy and is not counted.
@@ -84,6 +85,11 @@ def _memo(ex: nn.Module, key: tuple, make):
     return store[1][key]
 
 
+def holders(storage: torch.UntypedStorage) -> int:
+    """How many references (tensors, views, storage handles) keep `storage` alive, this handle included."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
 @dataclass
 class Stats:
     bytes: list[int] = field(default_factory=list)  # per token, host->device
@@ -93,6 +99,8 @@ class Stats:
     misses: int = 0  # lru, mixtral: experts not on the device when routed; floe: experts not prefetched
     resident_bytes: int = 0  # bytes of every tensor the engine holds on the device (layer 0, when resident, aside)
     model_bytes: int = 0  # bytes of the model's own parameters left on the device while its experts are released
+    held_bytes: int = 0  # bytes of the released expert storages other tensors still hold (not freed: on CUDA in
+    # max_memory, though neither the model nor the engine holds them)
     max_memory: int = 0  # CUDA: torch.cuda.max_memory_allocated during the decode (weights, KV cache, activations)
 
 
@@ -236,16 +244,20 @@ class OffloadEngine:
         """The model's fused expert parameters of the managed layers released: each Parameter's data is emptied
         (its device storage freed; the values kept in host memory) and the module shows a `meta` parameter of the
         same shape in its place; both come back on exit."""
-        saved = []
+        saved, self.stats.held_bytes = [], 0
         try:
             for l in self.managed:
                 ex = self.blocks[l].experts
                 for name in ("gate_up_proj", "down_proj"):
                     p = getattr(ex, name)
-                    saved.append((ex, name, p, p.data.to("cpu"), p.device))
+                    storage, data = p.untyped_storage(), p.data.to("cpu")  # on CPU `data` is p's own storage
+                    saved.append((ex, name, p, data, p.device))
                     meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                     setattr(ex, name, meta)
+                    ours = 1 + (data.untyped_storage().data_ptr() == storage.data_ptr())
+                    if holders(storage) > ours:  # another tensor (a view an analysis kept) holds it: nothing freed
+                        self.stats.held_bytes += storage.nbytes()
             yield
         finally:
             for ex, name, p, data, device in reversed(saved):

@@ -3,6 +3,7 @@ Mixtral loaded back by path (the kept fraction it reports is `floe.kept_fraction
 
 from __future__ import annotations
 
+import gc
 import json
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from lab.core.params import ParamError
 from lab.models.tokenizer import word_tokenizer
 from lab.models.zoo import tiny_llama, tiny_mixtral
+from lab.moe import blocks
 from lab.moe import floe as fl
 from lab.moe import floe_checkpoint as fc
 
@@ -33,16 +35,62 @@ def test_a_model_larger_than_the_device_is_refused_before_its_weights_are_read(t
     net = tiny_mixtral(vocab_size=len(tok), d_model=32, n_layers=2, n_heads=4, d_ff=64, n_experts=4)
     net.save_pretrained(tmp_path)
     n = sum(p.numel() for p in net.parameters())
-    assert fc.n_params(str(tmp_path)) == n
+    n_exp = sum(p.numel() for m in blocks.moe_blocks(net) for p in m.experts.parameters())
+    assert fc.counts(str(tmp_path)) == {"params": n, "experts": n_exp, "layers": 2}
+    assert fc.need_bytes(str(tmp_path), "cuda") == int(4 * (n + n_exp / 2))
+    need = fc.need_bytes(str(tmp_path), "cpu")
+    assert need == int(4 * (n + n_exp / 2 + fc.SIM_FORMS * n_exp))
     for f in tmp_path.glob("*.safetensors"):
         f.unlink()  # a refusal that read the weights could not get past this
-    monkeypatch.setattr(fc, "memory", lambda device: 4 * n - 1)
-    with pytest.raises(ParamError, match="needs 0 GB in float32.*this cpu has 0 GB") as e:
+    monkeypatch.setattr(fc, "memory", lambda device: need - 1)
+    with pytest.raises(ParamError, match="needs 0 GB for this analysis in float32.*this cpu has 0 GB") as e:
         fc.load_moe(str(tmp_path))
     assert "\n" not in str(e.value)
-    monkeypatch.setattr(fc, "memory", lambda device: 4 * n)  # fits: on to loading, which finds no weights
+    monkeypatch.setattr(fc, "memory", lambda device: need)  # fits: on to loading, which finds no weights
     with pytest.raises(Exception, match="no loadable model|safetensors|weights"):
         fc.load_moe(str(tmp_path))
+
+
+def _live_bytes() -> int:
+    """Bytes of every CPU tensor storage alive in this process (each storage once)."""
+    gc.collect()
+    seen = {}
+    for o in gc.get_objects():
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu":
+            seen[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.timeout(300)
+def test_the_analysis_holds_no_more_than_it_asks_for(tmp_path, monkeypatch):
+    """`need_bytes`, the bound `load_moe` refuses a model by, holds for what `checkpoint` keeps alive: the tensor
+    bytes live after every decode, loss and layer-error pass stay under it (measured over the process's tensors);
+    and every engine ran while no analysis held the experts it released (held bytes 0)."""
+    from lab.moe import offload
+
+    tok = word_tokenizer(WORDS)
+    torch.manual_seed(0)
+    tiny_mixtral(vocab_size=len(tok), d_model=64, n_layers=3, n_heads=4, d_ff=256, n_experts=8).save_pretrained(
+        tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    g = np.random.default_rng(0)
+    (tmp_path / "text.txt").write_text("\n".join(" ".join(g.choice(WORDS, 40)) for _ in range(20)))
+    base, peak = _live_bytes(), [0]
+
+    def sampled(fn):
+        def wrapped(*a, **kw):
+            out = fn(*a, **kw)
+            peak[0] = max(peak[0], _live_bytes() - base)
+            return out
+        return wrapped
+
+    for mod, name in ((blocks, "layer_errors"), (blocks, "eval_loss"), (offload.OffloadEngine, "run")):
+        monkeypatch.setattr(mod, name, sampled(getattr(mod, name)))
+    ck = fc.checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "text.txt"), fl.Config.for_scale("smoke"), n_blocks=2,
+                       block_len=16)
+    need, model = fc.need_bytes(str(tmp_path / "ckpt"), "cpu"), 4 * fc.counts(str(tmp_path / "ckpt"))["params"]
+    assert model < peak[0] <= need, (peak[0] / model, need / model)
+    assert all(r["held"] == 0 for r in ck["engine"].values())
 
 
 @pytest.mark.notebook

@@ -135,6 +135,24 @@ def test_residency_and_byte_counts(model, seq, case):
                for p, (ptr, w) in zip(managed, before))
 
 
+def test_a_view_kept_elsewhere_is_counted_as_held(model, seq):
+    """Releasing frees an expert storage only if nothing else holds it: with a view of layer 2's gate_up_proj kept
+    (as an analysis's FloE expert keeps W_gate), the engine reports exactly that storage's bytes as held; without, 0.
+    The engine's own forms are copies, never views."""
+    eng = engine(model, "floe", keep=0.25)
+    eng.run(seq[:, :2])
+    assert eng.stats.held_bytes == 0
+    p = moe_blocks(model)[2].experts.gate_up_proj
+    view = p.detach()[1, :FF]
+    eng = engine(model, "floe", keep=0.25)
+    eng.run(seq[:, :2])
+    assert eng.stats.held_bytes == p.untyped_storage().nbytes() == E * 2 * FF * H * 4
+    del view
+    eng = engine(model, "lru-fp16", cache_k=1)
+    eng.run(seq[:, :2])
+    assert eng.stats.held_bytes == 0
+
+
 def test_host_tier_holds_the_offloaded_experts(model):
     eng = engine(model, "floe", keep=0.25)
     assert set(eng.host) == {(l, e) for l in (1, 2) for e in range(E)}
