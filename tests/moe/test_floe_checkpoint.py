@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,6 +15,8 @@ from lab.models.zoo import tiny_llama, tiny_mixtral
 from lab.moe import blocks
 from lab.moe import floe as fl
 from lab.moe import floe_checkpoint as fc
+
+from ..conftest import save_tiny_moe
 
 WORDS = [f"w{i}" for i in range(30)]
 
@@ -68,13 +69,7 @@ def test_the_analysis_holds_no_more_than_it_asks_for(tmp_path, monkeypatch):
     and every engine ran while no analysis held the experts it released (held bytes 0)."""
     from lab.moe import offload
 
-    tok = word_tokenizer(WORDS)
-    torch.manual_seed(0)
-    tiny_mixtral(vocab_size=len(tok), d_model=64, n_layers=3, n_heads=4, d_ff=256, n_experts=8).save_pretrained(
-        tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
-    g = np.random.default_rng(0)
-    (tmp_path / "text.txt").write_text("\n".join(" ".join(g.choice(WORDS, 40)) for _ in range(20)))
+    ckpt, text = save_tiny_moe(tmp_path, WORDS, lines=20, d_model=64, n_layers=3, n_heads=4, d_ff=256, n_experts=8)
     base, peak = _live_bytes(), [0]
 
     def sampled(fn):
@@ -86,9 +81,8 @@ def test_the_analysis_holds_no_more_than_it_asks_for(tmp_path, monkeypatch):
 
     for mod, name in ((blocks, "layer_errors"), (blocks, "eval_loss"), (offload.OffloadEngine, "run")):
         monkeypatch.setattr(mod, name, sampled(getattr(mod, name)))
-    ck = fc.checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "text.txt"), fl.Config.for_scale("smoke"), n_blocks=2,
-                       block_len=16)
-    need, model = fc.need_bytes(str(tmp_path / "ckpt"), "cpu"), 4 * fc.counts(str(tmp_path / "ckpt"))["params"]
+    ck = fc.checkpoint(str(ckpt), str(text), fl.Config.for_scale("smoke"), n_blocks=2, block_len=16)
+    need, model = fc.need_bytes(str(ckpt), "cpu"), 4 * fc.counts(str(ckpt))["params"]
     assert model < peak[0] <= need, (peak[0] / model, need / model)
     assert all(r["held"] == 0 for r in ck["engine"].values())
 
@@ -98,14 +92,8 @@ def test_the_analysis_holds_no_more_than_it_asks_for(tmp_path, monkeypatch):
 def test_notebook_on_a_saved_mixtral_is_measured(tmp_path):
     from ..conftest import run_lab
 
-    tok = word_tokenizer(WORDS)
-    torch.manual_seed(0)
-    tiny_mixtral(vocab_size=len(tok), d_model=32, n_layers=3, n_heads=4, d_ff=64, n_experts=4).save_pretrained(
-        tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
-    g = np.random.default_rng(0)
-    (tmp_path / "text.txt").write_text("\n".join(" ".join(g.choice(WORDS, 40)) for _ in range(40)))
-    proc = run_lab("run", "05_floe", "-p", "model", str(tmp_path / "ckpt"), "-p", "data", str(tmp_path / "text.txt"),
+    ckpt, text = save_tiny_moe(tmp_path, WORDS, lines=40, d_model=32, n_layers=3, n_heads=4, d_ff=64, n_experts=4)
+    proc = run_lab("run", "05_floe", "-p", "model", str(ckpt), "-p", "data", str(text),
                    "-p", "n_blocks", "2", "-p", "block_len", "32", "--out", str(tmp_path / "out"), "--no-page")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rec = json.loads((tmp_path / "out" / "05_floe.json").read_text())

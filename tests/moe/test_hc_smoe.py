@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lab.models.zoo import tiny_mixtral, tiny_qwen2_moe
+from lab.models.zoo import tiny_qwen2_moe
 from lab.moe import blocks
 from lab.moe import hc_merge as hm
 from lab.moe import hc_smoe as hc
@@ -255,18 +255,10 @@ def test_checkpoint_folder_is_merged_saved_and_reloads(tmp_path):
     """model=<folder>, data=<.txt>: HC-SMoE on a saved tiny Mixtral, the smaller model written to out_dir."""
     from transformers import AutoModelForCausalLM
 
-    from lab.models.tokenizer import word_tokenizer
+    from ..conftest import fake_lm_eval, run_lab, save_tiny_moe
 
-    from ..conftest import fake_lm_eval, run_lab
-
-    words = [f"w{i}" for i in range(30)]
-    tok = word_tokenizer(words)
-    torch.manual_seed(0)
-    tiny_mixtral(vocab_size=len(tok), d_model=32, n_layers=2, n_heads=4, d_ff=48, n_experts=8).save_pretrained(
-        tmp_path / "ckpt")
-    tok.save_pretrained(tmp_path / "ckpt")
-    g = np.random.default_rng(0)
-    (tmp_path / "text.txt").write_text("\n".join(" ".join(g.choice(words, 40)) for _ in range(200)))
+    save_tiny_moe(tmp_path, [f"w{i}" for i in range(30)], lines=200, d_model=32, n_layers=2, n_heads=4, d_ff=48,
+                  n_experts=8)
     proc = run_lab("run", "06_hc_smoe", "-p", "model", str(tmp_path / "ckpt"), "-p", "data", str(tmp_path / "text.txt"),
                    "-p", "out_dir", str(tmp_path / "merged"), "-p", "tasks", "toy_task", "--out", str(tmp_path / "out"),
                    "--no-page", env=fake_lm_eval(tmp_path / "stub"))
