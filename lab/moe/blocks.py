@@ -38,7 +38,9 @@ def weights(mlp: nn.Module, e: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def expert(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor) -> Tensor:
-    """The dense expert (SiLU(x W_gateᵀ) ⊙ x W_upᵀ) W_downᵀ: x (n, H), W_gate/W_up (F, H), W_down (H, F) -> (n, H)."""
+    """The dense expert (SiLU(x W_gateᵀ) ⊙ x W_upᵀ) W_downᵀ: x (n, H), W_gate/W_up (F, H), W_down (H, F) -> (n, H),
+    computed in x's dtype (float32 inputs of a bfloat16 model: its weights upcast, the analysis in float32)."""
+    Wg, Wu, Wd = (w.to(x.dtype) for w in (Wg, Wu, Wd))
     return (F_.silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T
 
 
@@ -57,8 +59,9 @@ def moe_inputs(model: nn.Module, input_ids: Tensor) -> list[Tensor]:
 
 
 def route(mlp: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Router logits (n, E), renormalised top-k weights (n, k) and expert indices (n, k)."""
-    return mlp.gate(x)
+    """Router logits (n, E), renormalised top-k weights (n, k) and expert indices (n, k), routed in the router's
+    dtype as the model routes (float32 analysis inputs of a bfloat16 model are its bfloat16 states, upcast)."""
+    return mlp.gate(x.to(mlp.gate.weight.dtype))
 
 
 def moe_out(mlp: nn.Module, x: Tensor, fn: Callable[[int, Tensor], Tensor], idx: Tensor | None = None,
@@ -86,7 +89,8 @@ def layer_errors(model: nn.Module, xs: list[Tensor], fn: ExpertFn) -> Tensor:
 
 
 class _Experts(nn.Module):
-    """Drop-in for `mlp.experts` (same forward signature) that computes each expert with `fn(e, x)`."""
+    """Drop-in for `mlp.experts` (same forward signature) that computes each expert with `fn(e, x)` on float32 inputs
+    (the analysis precision; a no-op for a float32 model), its output cast back to the model's dtype."""
 
     def __init__(self, fn: Callable[[int, Tensor], Tensor], orig: nn.Module):
         super().__init__()
@@ -97,7 +101,8 @@ class _Experts(nn.Module):
         y = torch.zeros_like(hidden_states)
         for e in top_k_index.unique().tolist():
             tok, slot = torch.where(top_k_index == e)
-            y.index_add_(0, tok, self.fn(e, hidden_states[tok]) * top_k_weights[tok, slot, None].to(y.dtype))
+            out = self.fn(e, hidden_states[tok].float()) * top_k_weights[tok, slot, None].float()
+            y.index_add_(0, tok, out.to(y.dtype))
         return y
 
 

@@ -121,8 +121,8 @@ def random_like(mask: Tensor, generator: torch.Generator) -> Tensor:
 
 
 def activations(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor | None = None) -> dict[str, Tensor]:
-    """a_gate, a_up, a_down (each (n, F)) for inputs x (n, H) — Eqs. 3–4."""
-    a_gate, a_up = F_.silu(x @ Wg.T), x @ Wu.T
+    """a_gate, a_up, a_down (each (n, F)) for inputs x (n, H) — Eqs. 3–4 — in x's dtype."""
+    a_gate, a_up = F_.silu(x @ Wg.to(x.dtype).T), x @ Wu.to(x.dtype).T
     return {"gate": a_gate, "up": a_up, "down": a_gate * a_up}
 
 
@@ -136,6 +136,7 @@ def expert_out(x: Tensor, Wg: Tensor, Wu: Tensor, Wd: Tensor, on: str | None = N
     """Expert output (n, H), dense (`on=None`) or with S_t applied to a_gate (CATS), a_up (FloE) or a_down;
     with a `generator`, S_t's mask is replaced by a random one of the same size per token (`random_mask`)."""
     a = activations(x, Wg, Wu)
+    Wd = Wd.to(x.dtype)
     if on is None:
         return a["down"] @ Wd.T
     if on not in MATRICES:
@@ -162,7 +163,7 @@ def thresholds(model: nn.Module, xs: list[Tensor], k: float | list[float], on: s
         mags = []
         for e in range(t.shape[2]):
             Wg, Wu, Wd = weights(mlp, e)
-            Wu = fake_quantize(Wu.detach(), nbits, group_size) if quant else Wu
+            Wu = fake_quantize(Wu.detach().float(), nbits, group_size) if quant else Wu
             mags.append(activations(x[(idx == e).any(-1)], Wg, Wu, Wd)[on].abs().flatten().float())
         if per_expert:
             for e, m in enumerate(mags):
@@ -213,7 +214,7 @@ def quant_fn(model: nn.Module, matrix: str | tuple[str, ...], nbits: int, group_
         if (l, e) not in held:
             if any(key[0] != l for key in held):
                 held.clear()
-            W = [w.detach() for w in weights(blocks[l], e)]
+            W = [w.detach().float() for w in weights(blocks[l], e)]  # a float32 model's own tensors (no copy)
             for p in pos:
                 W[p] = fake_quantize(W[p], nbits, group_size)
             held[l, e] = W
@@ -237,14 +238,14 @@ class FloEExpert:
 
     @property
     def Wu(self) -> Tensor:
-        """The INT2 W_up (F, H) dequantized in the model's dtype, on each use (a model's experts in FloE form hold
-        their packed codes, not a second full-precision W_up)."""
-        return self.Wq_up.dequantize().to(self.Wg.dtype)
+        """The INT2 W_up (F, H) dequantized in float32, on each use (a model's experts in FloE form hold their packed
+        codes, not a second full-precision W_up)."""
+        return self.Wq_up.dequantize()
 
     def mask(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """a_up = x W_upᵀ (n, F) with the INT2 W_up, and the kept-neuron mask |a_up| ≥ t (n, F)."""
-        a_up = x @ self.Wu.T
-        keep = (a_up if self.on == "up" else F_.silu(x @ self.Wg.T)).abs() >= self.t
+        """a_up = x W_upᵀ (n, F) with the INT2 W_up, and the kept-neuron mask |a_up| ≥ t (n, F); in x's dtype."""
+        a_up = x @ self.Wu.to(x.dtype).T
+        keep = (a_up if self.on == "up" else F_.silu(x @ self.Wg.to(x.dtype).T)).abs() >= self.t
         if self.random_seed is None:
             return a_up, keep
         return a_up, random_like(keep, torch.Generator().manual_seed(self.random_seed))
@@ -252,7 +253,7 @@ class FloEExpert:
     def __call__(self, x: Tensor) -> Tensor:
         """Masked-dense form for a batch x (n, H) -> (n, H)."""
         a_up, m = self.mask(x)
-        return (F_.silu(x @ self.Wg.T) * a_up * m) @ self.Wd_t
+        return (F_.silu(x @ self.Wg.to(x.dtype).T) * a_up * m) @ self.Wd_t.to(x.dtype)
 
     def gathered(self, x: Tensor) -> Tensor:
         """Per token, only the kept rows: y = (SiLU(W_gate[idx] x) ⊙ a_up[idx]) W_downᵀ[idx] (n, H)."""
@@ -260,7 +261,7 @@ class FloEExpert:
         out = []
         for xi, ai, mi in zip(x, a_up, m):
             idx = mi.nonzero().squeeze(-1)  # (kept,)
-            out.append((F_.silu(self.Wg[idx] @ xi) * ai[idx]) @ self.Wd_t[idx])
+            out.append((F_.silu(self.Wg[idx].to(x.dtype) @ xi) * ai[idx]) @ self.Wd_t[idx].to(x.dtype))
         return torch.stack(out) if out else x.new_zeros(0, x.shape[-1])
 
 
