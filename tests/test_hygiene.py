@@ -58,7 +58,7 @@ def test_no_notebook_logic_hidden_in_reports_folder():
 
 def test_ruff_is_clean():
     exe = Path(sys.executable).with_name("ruff")
-    proc = subprocess.run([str(exe), "check", "lab", "kernels", "tests"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([str(exe), "check", "lab", "scripts", "tests"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
@@ -134,6 +134,6 @@ def test_code_cites_the_paper_and_the_lab_only():
     import re
 
     pattern = re.compile(r"\bissues?\s*#?\d+|\bthe notes\b|\bthe issue\b", re.IGNORECASE)
-    files = [*(ROOT / "lab").rglob("*.py"), *(ROOT / "kernels").rglob("*.py"), *NOTEBOOKS]
+    files = [*(ROOT / "lab").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"), *NOTEBOOKS]
     hits = [f"{f.relative_to(ROOT)}: {m.group(0)}" for f in files for m in pattern.finditer(f.read_text())]
     assert not hits, hits

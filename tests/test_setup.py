@@ -42,7 +42,25 @@ def test_dependencies_the_platform_needs():
     assert {"jupyterlab", "ipywidgets", "torch", "transformers", "peft", "matplotlib", "plotly", "papermill"} <= names
     dev = {Requirement(r).name for r in py["project"]["optional-dependencies"]["dev"]}
     assert {"pytest", "pytest-timeout", "triton", "playwright", "nbstripout"} <= dev
-    assert set(py["tool"]["setuptools"]["packages"]["find"]["include"]) >= {"lab*", "kernels*"}
+    assert set(py["tool"]["setuptools"]["packages"]["find"]["include"]) >= {"lab*"}
+
+
+def test_no_top_level_package_shadows_a_dependency():
+    """transformers >= 5.25 imports Hugging Face's `kernels` package at start-up; a top-level package of ours with an
+    installed distribution's name (the lab's Triton kernels were once `kernels/`) shadows it from the repository root,
+    and every import of transformers fails. Our only top-level package is `lab`; run from the root, nothing we ship
+    stands in for a dependency."""
+    import importlib.metadata as md
+    import subprocess
+    import sys
+
+    ours = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()} - {"tests"}
+    assert ours == {"lab"}, ours
+    dists = {(d.metadata["Name"] or "").lower().replace("-", "_") for d in md.distributions()}
+    assert "lab" not in dists - {"icml25_lab"}
+    code = "import transformers.integrations.hub_kernels, transformers; print('ok')"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_makefile_and_npm_pins_agree():

@@ -21,7 +21,7 @@ range is at most 1e-4 gets inverse scale 1 in the package, the 2e4 clamp here.)
 Packing (`pack`/`unpack`) is this lab's own, not the package's: each row of codes is packed along K, 8/b
 consecutive codes per byte for b ∈ {1, 2, 4} (code i of a byte in bits b·i … b·i + b − 1, lowest first), ten
 3-bit codes per int32 for b = 3, plain uint8 for b = 8; the INT2 rows are what the Triton kernel
-`kernels.floe.int2_gemv` reads. (The `hqq` package's `BitPack` packs across groups instead: it splits the
+`lab.kernels.floe.int2_gemv` reads. (The `hqq` package's `BitPack` packs across groups instead: it splits the
 (groups, group_size) code matrix into 8/b blocks of rows and puts the first block in the highest bits.)
 """
 

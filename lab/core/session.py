@@ -50,7 +50,7 @@ def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str 
     global _quiet
     params = validate(scale, device, seed, model, control, controls)
     records.start(params.control, tuple((controls or {}).get(params.control, ())))
-    if params.device != "cuda":  # Triton kernels (kernels/) then run on CPU through the interpreter; the flag is
+    if params.device != "cuda":  # Triton kernels (lab/kernels/) then run on CPU through the interpreter; the flag is
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton first loads (set_seed, torch.compile, ...)
     import torch
 

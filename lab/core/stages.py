@@ -51,13 +51,12 @@ def enabled() -> bool:
 
 
 def code_digest() -> str:
-    """sha256 of every .py file of the `lab` and `kernels` packages (computed once per process)."""
+    """sha256 of every .py file of the `lab` package, its Triton kernels included (computed once per process)."""
     if not _digest:
         root = Path(__file__).resolve().parents[2]
         h = hashlib.sha256()
-        for pkg in ("lab", "kernels"):
-            for f in sorted((root / pkg).rglob("*.py")):
-                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+        for f in sorted((root / "lab").rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
         _digest.append(h.hexdigest())
     return _digest[0]
 

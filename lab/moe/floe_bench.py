@@ -9,7 +9,7 @@ the toy (`Decoder`, the notebook's policies, the baseline sized to FloE's device
 
 `floe_bench` runs the engine comparison in one go, with FP16 expert offload as the reference, and
 `report` prints it as ratios; on CUDA the bench also times the Triton kernels against the dense torch
-expert at Mixtral's shape (`kernels.floe_bench.bench`) and pinned host-to-device copies (`links.h2d_bandwidth`).
+expert at Mixtral's shape (`lab.kernels.floe_bench.bench`) and pinned host-to-device copies (`links.h2d_bandwidth`).
 """
 
 from __future__ import annotations
@@ -160,9 +160,9 @@ def trained_overlap(model: nn.Module, xs_cal: list[Tensor], xs_ev: list[Tensor],
 
 
 def kernel_errors(ex: fl.FloEExpert, x: Tensor) -> tuple[float, float]:
-    """Max |Δ| of the Triton kernels (`kernels.floe`) against the FloE expert on one token x (H,): the masked
+    """Max |Δ| of the Triton kernels (`lab.kernels.floe`) against the FloE expert on one token x (H,): the masked
     gate·up and down GEMVs against its masked-dense output, the INT2 W_up GEMV against its a_up."""
-    from kernels import floe as kf  # on CPU, lab.core.setup has set TRITON_INTERPRET=1
+    from lab.kernels import floe as kf  # on CPU, lab.core.setup has set TRITON_INTERPRET=1
 
     a_up, mask = ex.mask(x[None])
     h = kf.masked_gate_up(x.contiguous(), ex.Wg.contiguous(), a_up[0].contiguous(), mask[0].contiguous())
@@ -237,7 +237,7 @@ def cuda_timings() -> tuple[dict, dict]:
     """On a GPU: the Triton kernels against the dense torch expert at Mixtral's shape (ms, speedups), and pinned
     host-to-device GB/s of compact row chunks against per-row copies, with the host's one-thread row-gather GB/s
     (`links.gather_bandwidth`, what the simulator's `TimeModel.host` models) beside them."""
-    from kernels.floe_bench import bench as kernel_bench
+    from lab.kernels.floe_bench import bench as kernel_bench
 
     return kernel_bench(), links.h2d_bandwidth() | {"host_gather_one_thread": links.gather_bandwidth()}
 

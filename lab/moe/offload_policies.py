@@ -4,7 +4,7 @@ Every step goes through the engine's link with its dependencies explicit: a copy
 routing (`link.mark()` at issue), a FloE gather after the prediction that chose its rows, every copy after the last
 compute that read its destination, every compute after the copies it reads (`link.wait`). Experts are computed in
 the model's dtype from the forms the engine holds; on CUDA (`engine.kernels`) FloE's INT2 GEMV and masked sparse
-kernels (`kernels.floe`) run in place of the torch reference path used on CPU. `plan` gives each cached policy's
+kernels (`lab.kernels.floe`) run in place of the torch reference path used on CPU. `plan` gives each cached policy's
 arguments under one device budget.
 """
 
@@ -101,7 +101,7 @@ def _up_scores(eng, l: int, e: int, x: Tensor) -> Tensor:
     """|x W_upᵀ| (F,) with layer l's resident INT2 W_up of expert e."""
     u = eng.dev[f"up {l}.{e}"]
     if eng.kernels:
-        from kernels import floe as kf
+        from lab.kernels import floe as kf
 
         return kf.int2_gemv(x[0], u["q"], u["s"], u["z"], eng.gs, eng.H).abs()
     return (x @ st.dequant(u["q"], u["s"], u["z"], eng.gs, eng.H, eng.dtype).T)[0].abs()
@@ -166,7 +166,7 @@ def _sparse(eng, l: int, e: int, x: Tensor, s: int) -> Tensor:
     buf, u = eng.dev[f"rows {l % 2}"], eng.dev[f"up {l}.{e}"]
     rows, idx = buf["rows"][s], buf["idx"][s]
     if eng.kernels:
-        from kernels import floe as kf
+        from lab.kernels import floe as kf
 
         return kf.sparse_expert(x[0], rows, u["q"], u["s"], u["z"], idx, eng.gs)[None].to(x.dtype)
     Wu = st.dequant(u["q"][idx], u["s"][idx], u["z"][idx], eng.gs, eng.H, eng.dtype)

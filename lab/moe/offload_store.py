@@ -18,7 +18,7 @@ Forms (a dict of tensors per expert):
   along the input dimension (HQQ `axis=1`); theirs along axis 0 — the same bits per weight;
 - `rows`: FloE's host store {"rows": (F, 2, H)}: gate row j and down column j side by side (FloE Sec. 3.4.2);
 - `up`: FloE's device-resident W_up {"q", "s", "z"}: INT2, group 64, FP16 scale/zero, the layout
-  `kernels.floe.int2_gemv` reads.
+  `lab.kernels.floe.int2_gemv` reads.
 """
 
 from __future__ import annotations

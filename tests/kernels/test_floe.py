@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import floe as kf
+from lab.kernels import floe as kf
 
 H, FF, K = 70, 131, 70  # ragged: no size is a multiple of any block
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -234,7 +234,7 @@ class TestCuda:
         assert torch.equal(kf.gather_rows(Wg, Wd_t, idx), kf.gather_rows_ref(Wg, Wd_t, idx))
 
     def test_bench(self):
-        from kernels.floe_bench import bench
+        from lab.kernels.floe_bench import bench
 
         r = bench()
         print(r)
@@ -294,9 +294,9 @@ def test_engine_decodes_the_same_with_the_kernels():
 
 
 def _compile(args, code=None, interpret="0"):
-    """`python -m kernels.floe_compile ARGS` (or `python -c CODE`) with the interpreter off, as a GPU launch has it."""
+    """`python -m lab.kernels.floe_compile ARGS` (or `python -c CODE`), interpreter off as a GPU launch has it."""
     env = {**os.environ, "TRITON_INTERPRET": interpret, "TRITON_DEFAULT_FP_FUSION": "1"}
-    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "kernels.floe_compile", *args]
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "lab.kernels.floe_compile", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -322,7 +322,7 @@ def test_the_largest_int2_tile_does_not_spill():
     """The INT2 GEMV's largest autotuner tile (32 × 512, 4 warps: 128 weights per thread) on FloE's kept rows compiles
     for sm_90 without spilling: scale and zero are loaded once per group (a (32, 8) tile), not once per weight (with
     per-weight loads and their 64-bit addresses this launch spilled 24 kB per thread)."""
-    code = ("import json; from kernels import floe_compile as fc\n"
+    code = ("import json; from lab.kernels import floe_compile as fc\n"
             "cfg = {'int2': [{'BLOCK_N': 32, 'BLOCK_K': 512, 'num_warps': 4}], 'gate_up': [], 'down': []}\n"
             "print(json.dumps([r for r in fc.compile_all((90,), ('bf16',), cfgs=cfg) if r['kernel'] == 'int2']))")
     p = _compile([], code)
@@ -335,7 +335,7 @@ def test_the_largest_int2_tile_does_not_spill():
 def test_a_kernel_that_cannot_lower_is_reported_not_passed():
     """The check can fail: the down kernel with an int8 output (atomic_add has no int8 form) is recorded as an error,
     and the command exits 2 with one sentence on bad input (an unknown dtype, the interpreter on)."""
-    code = ("import dataclasses, json; from kernels import floe_compile as fc\n"
+    code = ("import dataclasses, json; from lab.kernels import floe_compile as fc\n"
             "lc = next(l for l in fc.launches('bf16', fc.configs(False)) if l.kernel == 'down')\n"
             "bad = dataclasses.replace(lc, args={**lc.args, 'y_ptr': ('*i8', None)})\n"
             "print(json.dumps([fc.compile_one(l, 90) for l in (lc, bad)]))")

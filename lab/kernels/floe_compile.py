@@ -1,4 +1,4 @@
-"""FloE's Triton kernels (`kernels.floe`) compiled ahead of time for NVIDIA GPUs, on a machine without one.
+"""FloE's Triton kernels (`lab.kernels.floe`) compiled ahead of time for NVIDIA GPUs, on a machine without one.
 
 Triton lowers a `@triton.jit` function through TTIR, TTGIR, LLVM IR and PTX to a cubin with `ptxas`, which ships in
 the triton wheel; none of it needs a device (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`,
@@ -8,7 +8,7 @@ pass and the specialisation a real launch gets (16-byte-aligned pointers and int
 `tt.divisibility` hint), for the fixed configs and, with `autotune=True`, every autotuner config. From `ptxas -v` it
 records registers, spills and shared memory per kernel. It does not run anything: timings and numerics need a GPU.
 
-`python -m kernels.floe_compile [--autotune] [--target sm_80,sm_90] [--out F.json]`; needs `TRITON_INTERPRET` unset
+`python -m lab.kernels.floe_compile [--autotune] [--target sm_80,sm_90] [--out F.json]`; needs `TRITON_INTERPRET` unset
 or 0 (the interpreter patches `triton.language`, and then nothing lowers).
 """
 
@@ -75,7 +75,7 @@ def _launch(kernel: str, dtype: str, ptrs: dict, ints: dict, const: dict, cfg: d
 
 def configs(autotune: bool) -> dict[str, list[dict]]:
     """The fixed configs the entry points launch, or every config of their `@triton.autotune` wrappers."""
-    from kernels import floe as kf
+    from lab.kernels import floe as kf
 
     if not autotune:
         return {name: [dict(cfg)] for name, cfg in kf._FIXED.items()}
@@ -89,7 +89,7 @@ def compile_one(launch: Launch, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import floe as kf
+    from lab.kernels import floe as kf
 
     fn = {"gate_up": kf._masked_gate_up_kernel, "down": kf._masked_down_kernel, "int2": kf._int2_gemv_kernel,
           "gather": kf._gather_rows_kernel}[launch.kernel]
@@ -119,7 +119,7 @@ def compile_all(archs=(90,), dtypes=("fp32", "fp16", "bf16"), autotune: bool = F
     """Every launch of `launches` for each dtype (at `cfgs`, default `configs(autotune)`), compiled for each
     sm_<arch> with ptxas's report; raises if the interpreter is on."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError("kernels.floe_compile needs TRITON_INTERPRET unset or 0: under the interpreter Triton "
+        raise RuntimeError("lab.kernels.floe_compile needs TRITON_INTERPRET unset or 0: under the interpreter Triton "
                            "does not lower kernels.")
     if unknown := set(dtypes) - set(STORE):
         raise ValueError(f"unknown dtype(s) {sorted(unknown)}; choose from {sorted(STORE)}.")

@@ -19,7 +19,7 @@ Entry points take torch tensors, check shapes (ValueError), allocate the output 
 config; this path also runs on CPU tensors under the Triton interpreter (`TRITON_INTERPRET=1`, read when
 `@triton.jit` decorates, so set it before importing). Loop bounds (H, K) are `tl.constexpr` because the interpreter
 cannot loop to a runtime int. `autotune=True` selects `@triton.autotune` wrappers of the same kernels; they are built
-lazily on first use, CUDA only, because autotuning fails under the interpreter. `kernels.floe_bench.bench` times
+lazily on first use, CUDA only, because autotuning fails under the interpreter. `lab.kernels.floe_bench.bench` times
 them on a GPU.
 """
 

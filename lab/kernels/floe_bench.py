@@ -1,4 +1,4 @@
-"""GPU timings of FloE's kernels (`kernels.floe`) at Mixtral's expert shape, with the same work on both sides: the
+"""GPU timings of FloE's kernels (`lab.kernels.floe`) at Mixtral's expert shape, with the same work on both sides: the
 dense FP16 torch expert against the sparse kernels (up projection and mask included), the engine's compact-rows
 expert, and the INT2 GEMV against a dense FP16 GEMV. CUDA only (CUDA events)."""
 
@@ -10,7 +10,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from kernels.floe import int2_gemv, int2_gemv_ref, masked_down, masked_gate_up, pack_int2, sparse_expert
+from lab.kernels.floe import int2_gemv, int2_gemv_ref, masked_down, masked_gate_up, pack_int2, sparse_expert
 
 
 def _ms(fn, warmup: int = 10, reps: int = 50) -> float:
