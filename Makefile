@@ -1,23 +1,25 @@
 # The lab's commands. `make run` and `make test` each set everything up first (idempotent, quick
 # when already done): a .venv with torch installed first by its pin (so nothing pulls a CUDA build),
-# the package with its dev extras, and the report JavaScript from npm (when npm exists).
+# the package with its dev extras at the versions constraints.txt pins (the set the tests last passed
+# with; `make lock` refreshes it), and the report JavaScript from npm (when npm exists).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+LOCK := constraints.txt
 STAMP := $(VENV)/.stamp-install
 
-.PHONY: setup run test test-fast test-gpu audit lab clean
+.PHONY: setup run test test-fast test-gpu audit lab lock clean
 
 setup: $(STAMP) node_modules/.package-lock.json
 
-$(STAMP): pyproject.toml environment.yml
+$(STAMP): pyproject.toml environment.yml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) $(TORCH)
-	$(PIP) $(TORCH) -e ".[dev]"
-	$(PIP) $(TORCH) termcolor einops
+	$(PIP) -c $(LOCK) $(TORCH) -e ".[dev]"
+	$(PIP) -c $(LOCK) $(TORCH) termcolor einops
 	# HQQ's own quantizer, the reference tests/compress/test_quant.py checks ours against. Installed aside, not on the
 	# path: transformers imports an importable hqq in every process (its quantized KV cache), ~1.5 s of CPU each.
 	# DISABLE_CUDA: the sdist then skips its CUDA build.
@@ -56,6 +58,17 @@ audit: setup
 ## JupyterLab on the notebooks folder (with --allow-root when run as root, e.g. in a container)
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks $$([ "$$(id -u)" -eq 0 ] && echo --allow-root)
+
+## refresh constraints.txt: the newest versions pyproject.toml allows, installed into a scratch venv and frozen
+## (then `make test`, and commit constraints.txt only if it passes)
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH)
+	.venv-lock/bin/python -m pip install --quiet --disable-pip-version-check $(TORCH) -e ".[dev]" termcolor einops
+	{ echo "# Every Python distribution the lab's setup installs, at the versions its tests last passed with (make lock;"; \
+	  echo "# $$(.venv-lock/bin/python -V), $$(date -u +%Y-%m-%d)). pyproject.toml keeps the ranges; this pins the set."; \
+	  .venv-lock/bin/python -m pip freeze --exclude-editable --disable-pip-version-check | sed 's/+[a-z0-9.]*$$//'; } > $(LOCK)
+	rm -rf .venv-lock
 
 clean:
 	rm -rf reports .pytest_cache
