@@ -139,6 +139,20 @@ def toy_study(cfg: Config, seed: int, device: str = "cpu") -> dict:
     return {"runs": out, "task": task, "x": x}
 
 
+def training_length(cfg: Config, seed: int, *, steps=(80, 400, 1600), lrs=(1e-2, 3e-3), device: str = "cpu") -> list:
+    """Is the baseline merely under-trained? The baseline and OE at the largest m, each trained for every `steps`
+    at every `lr` (the toy trains 80 steps at 1e-2): rows of held-out excess loss and OE's cut of it."""
+    task, x, rows = cfg.task(seed), eval_batch(cfg, seed), []
+    oe = {**cfg.runs()[f"OE m={cfg.m_main}"]}
+    for n_steps in steps:
+        for lr in lrs:
+            tc = TrainConfig(steps=n_steps, batch_size=cfg.batch_size, lr=lr, weight_decay=0.0, seed=seed)
+            ex = {name: held_out(fit(partial(build, cfg, spec), task, tc, device=device).model, task, x)["excess"]
+                  for name, spec in (("baseline", None), ("OE", oe))}
+            rows.append({"steps": n_steps, "lr": lr, **ex, "cut": 1 - ex["OE"] / ex["baseline"]})
+    return rows
+
+
 def sweep_fit(ms, excess) -> dict:
     """Least-squares line excess = a + b·log10 m and the Spearman ρ of (log10 m, excess)."""
     from scipy.stats import linregress, spearmanr

@@ -181,6 +181,20 @@ def test_held_out_excess_is_zero_for_the_true_model():
     assert res["excess"] == pytest.approx(0.0, abs=1e-4) and res["entropy"] > 0.5
 
 
+def test_training_length_reruns_the_toy_arms_at_other_lengths():
+    """At the toy's own steps and lr it reproduces toy_study's baseline and OE numbers; other lengths train anew."""
+    from dataclasses import replace
+
+    cfg = replace(ots.Config(), steps=4, eval_batches=1, eval_size=8)
+    runs = ots.toy_study(cfg, 0)["runs"]
+    rows = ots.training_length(cfg, 0, steps=(4, 8), lrs=(cfg.lr,))
+    assert [r["steps"] for r in rows] == [4, 8]
+    assert rows[0]["baseline"] == pytest.approx(runs["baseline"]["excess"], abs=1e-6)
+    assert rows[0]["OE"] == pytest.approx(runs[f"OE m={cfg.m_main}"]["excess"], abs=1e-6)
+    assert rows[1]["baseline"] != pytest.approx(rows[0]["baseline"], abs=1e-4)
+    assert rows[0]["cut"] == pytest.approx(1 - rows[0]["OE"] / rows[0]["baseline"])
+
+
 def test_runs_cover_the_paper_settings_and_controls_switch_ids():
     runs = ots.Config().runs()
     assert runs["baseline"] is None and runs["OE m=8V=512"]["m"] == 512
