@@ -144,6 +144,23 @@ def test_two_languages_vocabularies_mix_and_entropy():
     assert (T.sum(1) @ h / T.sum()).item() == pytest.approx(data.entropy_rate("B"), abs=0.02)
 
 
+def test_best_lr_and_pareto_dominance_hand_computed():
+    """Seed 0's measured curves (L_B, ΔL_A per lr): NR learns best at 1e-2; the adapter's lrs that learn as much
+    (L_B ≤ 1.888) forget at least 0.208, so 0.208 / 0.116; FT at 3e-4 learns more and forgets 0.121."""
+    cfg = st.Config()
+    curves = {"NR": [(2.207, 0.032), (2.016, 0.112), (1.899, 0.113), (1.888, 0.116), (2.201, 0.202)],
+              "adapter": [(2.145, 0.040), (1.917, 0.176), (1.820, 0.208), (1.798, 0.240), (1.817, 0.412)],
+              "FT": [(1.744, 0.121), (1.381, 0.194), (1.207, 0.243), (1.186, 0.420), (1.370, 2.036)],
+              "LoRA": [(3.0, 0.0)] * 5}
+    runs = {(m, lr, cfg.p): {"L_B": b, "dL_A": a} for m, pts in curves.items() for lr, (b, a) in zip(cfg.lrs, pts)}
+    assert cfg.lrs == (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+    assert st.best_lr(runs, cfg, "NR") == 1e-2 and st.best_lr(runs, cfg, "FT") == 1e-2
+    assert st.dominance(runs, cfg, "adapter") == pytest.approx(0.208 / 0.116)
+    assert st.dominance(runs, cfg, "FT") == pytest.approx(0.121 / 0.116)
+    assert st.dominance(runs, cfg, "LoRA") == math.inf  # no LoRA lr learns B as well as NR
+    assert st.dominance(runs, cfg, "NR") == pytest.approx(0.116 / 0.116)  # a method against itself: 1, never above
+
+
 def test_training_step_moves_only_adapters_through_accelerate():
     data = TwoLanguages(seq_len=12)
     base = tiny_llama(vocab_size=data.vocab, d_model=32, n_layers=2, n_heads=4, d_ff=64).eval()
