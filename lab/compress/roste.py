@@ -37,8 +37,9 @@ from lab.compress.rotate import KINDS, QuantSpec, Rotations, linears, quantize_m
 @torch.no_grad()
 def layer_errors(qmodel: nn.Module, ids: Tensor, batch: int = 64) -> list[dict]:
     """Per layer, on calibration ids (N, T): the MSE parts of Eq. 12 attributed to R2 (value cache + o_proj weight
-    and input), R3 (key cache) and R4 (down_proj weight and input), the total over all linears and the cache, and
-    the mean |input| per channel of every linear (for the outlier explorer)."""
+    and input), R3 (key cache) and R4 (down_proj weight and input), the total over all linears and the cache, the
+    relative input error of every linear off each token's largest channel (`rotate.rest_error`), and the mean
+    |input| per channel of every linear (for the outlier explorer)."""
     layers = qmodel.model.layers
     for layer in layers:
         for lin in linears(layer).values():
@@ -53,6 +54,7 @@ def layer_errors(qmodel: nn.Module, ids: Tensor, batch: int = 64) -> list[dict]:
         lin_err = {k: mean(v, "err_w") + mean(v, "err_x") for k, v in L.items()}
         rec = {"R2": mean(A, "err_v") + lin_err["o"], "R3": mean(A, "err_k"), "R4": lin_err["down"],
                "total": sum(lin_err.values()) + mean(A, "err_k") + mean(A, "err_v"),
+               "rest": {k: mean(v, "rest") for k, v in L.items()},
                "channels": {k: (sum(x["x"] for x in v) / len(v)).tolist() for k, v in L.items()}}
         rec["channels"]["k cache"] = (sum(x["k"] for x in A) / len(A)).tolist()
         out.append(rec)
@@ -96,8 +98,9 @@ def check_control(control: str) -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """Every size: the least-squares theory toy (Sec. 4) and the tiny Llama (2 layers, d = 64, 4 heads of 16,
-    SwiGLU 128) with a planted massive activation, pre-trained on COPY and fine-tuned on ROT3."""
+    """Every size: the least-squares theory toy (Sec. 4) and the tiny Llama (1 layer, d = 64, 4 heads of 16,
+    SwiGLU 128) with a planted massive activation, pre-trained on COPY and fine-tuned on ROT1. One layer: its only
+    attention reads the residual stream the outlier rides; with two, STE routes around it (see the notebook)."""
 
     # theory toy
     ls_d: int = 256
@@ -112,7 +115,7 @@ class Config:
     ls_xbits: int = 8
     # tiny Llama
     d_model: int = 64
-    n_layers: int = 2
+    n_layers: int = 1
     n_heads: int = 4
     d_ff: int = 128
     n_digits: int = 6
@@ -120,12 +123,13 @@ class Config:
     outlier_channel: int = 5
     embed_std: float = 0.5  # token embeddings ~ N(0, 1): the outlier is `outlier`× a typical channel
     pre_op: str = "rot0"  # pre-training task: COPY
-    sft_op: str = "rot1"  # SFT task: ROT1 (ROT3 is shown in the notebook as unstable for every arm)
-    pre_steps: int = 400
-    sft_steps: int = 500
+    sft_op: str = "rot1"  # SFT task: ROT1
+    pre_steps: int = 800
+    sft_steps: int = 1000
     batch_size: int = 32
     pre_lr: float = 3e-3
-    lr: float = 3e-3
+    lrs: tuple[float, ...] = (1e-3, 3e-3)  # each fine-tuning arm's grid (largest first, until one is perfect)
+    stop_loss: float = 1e-3  # every fine-tuning run stops once converged (sft_steps: the cap)
     n_calib: int = 128
     n_eval: int = 256
     w_bits: int = 4
@@ -142,7 +146,8 @@ class Config:
         if scale not in params.SCALES:
             raise ValueError(f"scale={scale!r} is unknown; use one of {', '.join(params.SCALES)}.")
         control = check_control(control)
-        sizes = {} if scale == "smoke" else dict(pre_steps=2000, sft_steps=1500, n_eval=1024, ls_steps=10000)
+        sizes = {} if scale == "smoke" else dict(pre_steps=2000, sft_steps=2000, n_eval=1024, ls_steps=10000,
+                                                  lrs=(3e-4, 1e-3, 3e-3))
         if control == "no_outlier":
             sizes.update(outlier=0.0, ls_plant=False)
         return cls(**sizes, rotate=control != "no_rotation", wrong_side=control == "rotation_wrong_side")
@@ -252,11 +257,13 @@ def _arm(base, name: str, make=None) -> nn.Module:
 
 
 def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = None) -> dict:
-    """Pre-train on COPY (cached), then every arm on ROT3 at W4A4KV4, evaluated on held-out prompts:
+    """Pre-train on COPY (cached), then every arm on ROT1 at W4A4KV4, evaluated on held-out prompts:
     FP SFT; FP SFT + RTN PTQ; FP SFT + QuaRot-like PTQ (R1 + all R2–R4, then RTN); STE QA-SFT (no rotation);
     RoSTE (R1 + the adaptive R2/R3/R4 chosen on the pre-trained model, then STE QA-SFT); complete rotation
-    (R1 + all R2–R4, then STE QA-SFT; the ablation of Table 3). Also the rotation search and the full-precision
-    invariance of the rotated FP-SFT model."""
+    (R1 + all R2–R4, then STE QA-SFT; the ablation of Table 3). Each fine-tuning arm runs the lrs of `cfg.lrs`,
+    largest first, until one is perfect on validation prompts apart from the test ones, and keeps the best of
+    those it ran (validation accuracy, then NLL).
+    Also the rotation search and the full-precision invariance of the rotated FP-SFT model."""
     from functools import partial
 
     from lab.models.train import TrainConfig, fit
@@ -268,18 +275,32 @@ def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = 
     g = torch.Generator().manual_seed(1000 + seed)
     calib = sft_task.batch(cfg.n_calib, g)["input_ids"].to(device)
     ev = {k: v.to(device) for k, v in sft_task.batch(cfg.n_eval, g).items()}
+    val = {k: v.to(device) for k, v in sft_task.batch(cfg.n_eval, g).items()}
     qs, rot, L = cfg.quant(), Rotations.draw(pre.model.config, seed), cfg.n_layers
     kw = dict(r1=cfg.rotate, wrong_side=cfg.wrong_side)
     on = [dict.fromkeys(KINDS, cfg.rotate) for _ in range(L)]
     search = adaptive(pre.model, qs, rot, calib, **kw)
     choice = search["choice"] if cfg.rotate else [dict.fromkeys(KINDS, False) for _ in range(L)]
-    ft = TrainConfig(steps=cfg.sft_steps, batch_size=cfg.batch_size, lr=cfg.lr, seed=100 + seed)
-    run = lambda name, make=None: fit(partial(_arm, pre, name, make), sft_task, ft, device=device, quiet=quiet)
-    runs = {"FP SFT": run("fp_sft", lambda: quantize_model(pre.model, qs.off(), rot, r1=True)),
-            "STE": run("ste", lambda: quantize_model(pre.model, qs)),
-            "RoSTE": run("roste", lambda: quantize_model(pre.model, qs, rot, choice=choice, **kw))}
+    grid, best = {}, {}
+
+    def run(arm, name, make):  # the lr grid, largest first, until a run is perfect on the validation prompts
+        grid[arm], fits = {}, {}
+        for lr in sorted(cfg.lrs, reverse=True):
+            fits[lr] = fit(partial(_arm, pre, name, make), sft_task, TrainConfig(
+                steps=cfg.sft_steps, batch_size=cfg.batch_size, lr=lr, seed=100 + seed, stop_loss=cfg.stop_loss),
+                device=device, quiet=quiet)
+            grid[arm][lr] = evaluate(fits[lr].model, val)
+            if grid[arm][lr]["acc"] == 1.0:
+                break
+        best[arm] = max(grid[arm], key=lambda lr: (grid[arm][lr]["acc"], -grid[arm][lr]["nll"]))
+        return fits[best[arm]]
+
+    runs = {"FP SFT": run("FP SFT", "fp_sft", lambda: quantize_model(pre.model, qs.off(), rot, r1=True)),
+            "STE": run("STE", "ste", lambda: quantize_model(pre.model, qs)),
+            "RoSTE": run("RoSTE", "roste", lambda: quantize_model(pre.model, qs, rot, choice=choice, **kw))}
     if cfg.complete:
-        runs["complete rotation"] = run("complete", lambda: quantize_model(pre.model, qs, rot, choice=on, **kw))
+        runs["complete rotation"] = run("complete rotation", "complete",
+                                        lambda: quantize_model(pre.model, qs, rot, choice=on, **kw))
     fp = rotate.rotate_r1(copy.deepcopy(runs["FP SFT"].model), rotate.matrix(rot.r1).T)  # back to the raw basis
     models = {"FP SFT": fp, "RTN PTQ": quantize_model(fp, qs),
               "QuaRot-like PTQ": quantize_model(fp, qs, rot, choice=on, **kw),
@@ -289,11 +310,13 @@ def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = 
     with torch.no_grad():
         ref = fp64(input_ids=ev["input_ids"]).logits
         inv = (rotated_fp(input_ids=ev["input_ids"]).logits - ref).abs().max().item()
-    eq12 = {k: sum(e["total"] for e in layer_errors(models[k], calib)) for k in runs if k != "FP SFT"}
+    errors = {k: layer_errors(m, calib) for k, m in models.items() if k != "FP SFT"}
     return {"pre": pre, "runs": runs, "models": models, "search": search, "choice": choice, "calib": calib,
+            "grid": grid, "lr": best,
             "eval": ev, "logit_scale": ref.abs().max().item(), "invariance": inv,
             "metrics": {k: evaluate(m, ev) for k, m in models.items()},
-            "eq12": eq12, "rot": rot, "qs": qs}
+            "eq12": {k: sum(e["total"] for e in v) for k, v in errors.items()},
+            "rest": {k: [e["rest"] for e in v] for k, v in errors.items()}, "rot": rot, "qs": qs}
 
 
 def explorer_passes(S: dict, cfg: Config) -> dict[str, list[dict]]:

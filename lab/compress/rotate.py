@@ -205,6 +205,13 @@ class Rotations:
 
 # ------------------------------------------------------------------------ the fake-quantized modules
 
+def rest_error(x: Tensor, xq: Tensor) -> float:
+    """||Q(x) − x|| / ||x|| over every channel but each token's largest |x|: how much of what the outlier does not
+    carry survives the quantizer (1: nothing, every other channel rounds to the zero point)."""
+    keep = torch.ones_like(x).scatter_(-1, x.abs().argmax(-1, keepdim=True), 0.0)
+    return (((xq - x) * keep).norm() / (x * keep).norm().clamp_min(1e-12)).item()
+
+
 class QuantLinear(nn.Linear):
     """nn.Linear whose forward is Q_x(x·R4?)·Q_w(W)ᵀ (same state-dict keys, so `save_pretrained` writes a plain
     Llama). Set by `quantize_model`: `qs` (QuantSpec), `had` (R4 signs or None), `log` (a list, when logging)."""
@@ -217,7 +224,8 @@ class QuantLinear(nn.Linear):
         if self.log is not None:
             self.log.append({"x": x.detach().abs().reshape(-1, x.shape[-1]).mean(0),
                              "err_x": F.mse_loss(xq.detach(), x.detach()).item(),
-                             "err_w": F.mse_loss(wq.detach(), self.weight.detach()).item()})
+                             "err_w": F.mse_loss(wq.detach(), self.weight.detach()).item(),
+                             "rest": rest_error(x.detach(), xq.detach())})
         return F.linear(xq, wq, self.bias)
 
 

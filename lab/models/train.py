@@ -53,6 +53,7 @@ class TrainConfig:
     min_lr_frac: float = 0.1  # cosine decays to lr * min_lr_frac
     grad_clip: float = 1.0
     seed: int = 0
+    stop_loss: float | None = None  # converged: stop once the mean loss of the last 25 steps is below it (a cap: steps)
 
 
 @dataclass
@@ -107,10 +108,19 @@ def cache_key(model: torch.nn.Module, task: Any, cfg: TrainConfig, penalty: Any 
     import transformers
 
     spec = {"v": CACHE_VERSION, "arch": type(model).__name__, "model": model.config.to_dict(),
-            "task": task_spec(task), "train": dataclasses.asdict(cfg),
+            "task": task_spec(task), "train": _train_spec(cfg),
             "penalty": None if penalty is None else task_spec(penalty),
             "torch": torch.__version__, "transformers": transformers.__version__}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _train_spec(cfg: TrainConfig) -> dict:
+    """The training config's identity for the cache; an unset `stop_loss` is left out, so the keys of runs that
+    never stop early do not depend on the field's existence."""
+    spec = dataclasses.asdict(cfg)
+    if spec["stop_loss"] is None:
+        del spec["stop_loss"]
+    return spec
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -127,7 +137,8 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 
 def train(model: torch.nn.Module, task: Task, cfg: TrainConfig, *, penalty: Callable | None = None,
           quiet: bool | None = None) -> list[float]:
-    """Train `model` in place on batches from `task`; returns the loss of every step.
+    """Train `model` in place on batches from `task`; returns the loss of every step (fewer than `cfg.steps` when
+    `cfg.stop_loss` is set and reached: training to convergence with `steps` as the cap).
 
     `penalty(model) -> scalar` is added to the loss (e.g. a sparsity prior); the recorded losses
     are the task loss alone. A penalty with a `prox(model, lr, step)` method also gets a proximal
@@ -152,6 +163,8 @@ def train(model: torch.nn.Module, task: Task, cfg: TrainConfig, *, penalty: Call
         losses.append(loss.item())
         if step % 50 == 0 or step == cfg.steps - 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if cfg.stop_loss is not None and len(losses) >= 25 and sum(losses[-25:]) / 25 < cfg.stop_loss:
+            break
     model.eval()
     return losses
 

@@ -32,6 +32,19 @@ def test_training_lowers_the_loss():
     assert len(losses) == 60 and sum(losses[-10:]) < sum(losses[:10])
 
 
+def test_stop_loss_ends_training_once_the_recent_mean_is_below_it_and_joins_the_key():
+    """The rule by hand on the returned losses: the last 25-step window is the first one below the threshold."""
+    torch.manual_seed(0)
+    full = train(build(), TASK, TrainConfig(steps=120, batch_size=16, lr=1e-2), quiet=True)
+    stop = sorted(full)[len(full) // 2] + 1e-9  # a threshold the run crosses part-way
+    torch.manual_seed(0)
+    cut = train(build(), TASK, TrainConfig(steps=120, batch_size=16, lr=1e-2, stop_loss=stop), quiet=True)
+    first = next(n for n in range(25, 121) if sum(full[n - 25:n]) / 25 < stop)
+    assert cut == full[:first] and first < 120
+    m = build()
+    assert cache_key(m, TASK, CFG) != cache_key(m, TASK, TrainConfig(**{**vars(CFG), "stop_loss": 0.1}))
+
+
 def test_cache_round_trip_is_exact_and_keyed(tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE", str(tmp_path))
     first = fit(build, TASK, CFG, quiet=True)
