@@ -99,8 +99,9 @@ def check_control(control: str) -> str:
 @dataclass(frozen=True)
 class Config:
     """Every size: the least-squares theory toy (Sec. 4) and the tiny Llama (1 layer, d = 64, 4 heads of 16,
-    SwiGLU 128) with a planted massive activation, pre-trained on COPY and fine-tuned on ROT1. One layer: its only
-    attention reads the residual stream the outlier rides; with two, STE routes around it (see the notebook)."""
+    SwiGLU 128) with a planted massive activation, pre-trained on COPY and fine-tuned on ROT1 with the embeddings
+    frozen. One layer: its only attention reads the residual stream the outlier rides; with two, STE routes around
+    it (see the notebook)."""
 
     # theory toy
     ls_d: int = 256
@@ -250,9 +251,13 @@ def planted_llama(cfg: Config, vocab_size: int) -> nn.Module:
 
 
 def _arm(base, name: str, make=None) -> nn.Module:
-    """The starting point of a fine-tuning arm: `make()` (a fake-quantized model) or a copy of base's model."""
+    """The starting point of a fine-tuning arm: `make()` (a fake-quantized model) or a copy of base's model, its
+    token embeddings frozen: the planted outlier lives in that table, and fine-tuning it lets any arm out-grow the
+    outlier (STE then catches up on some seeds), which an LLM's massive activations, made by its own layers, do not
+    allow. Embeddings stay full precision, as in the paper."""
     m = make() if make is not None else copy.deepcopy(base.model)
-    m.config.roste_arm = {"arm": name, "base": base.key}  # joins the cache key
+    m.config.roste_arm = {"arm": name, "base": base.key, "frozen_embeddings": True}  # joins the cache key
+    m.model.embed_tokens.weight.requires_grad_(False)
     return m
 
 
