@@ -13,9 +13,11 @@ the Spider folder format are `lab.data.sql_exec`.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import sqlite3
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,15 +122,18 @@ def random_value(col: str, rng: random.Random):
 
 
 def build_db(schema: Schema, folder: Path, seed: int, rows: tuple[int, int, int, int] = (40, 24, 8, 70)) -> Path:
-    """Write `<folder>/<db_id>/<db_id>.sqlite` (Spider's layout) with random rows; returns its path."""
+    """Write `<folder>/<db_id>/<db_id>.sqlite` (Spider's layout) with random rows; returns its path. The file is
+    written under a temporary name and renamed into place, so two processes building the same world at once (two
+    notebook runs sharing the cache) never see, or write into, a half-built database."""
     rng = random.Random(f"{schema.db_id}:{seed}")
     path = Path(folder) / schema.db_id / f"{schema.db_id}.sqlite"
     path.parent.mkdir(parents=True, exist_ok=True)
     from lab.data.sql_exec import forget
 
-    forget(path)  # a cached read-only connection to the file being rewritten
-    path.unlink(missing_ok=True)
-    con = sqlite3.connect(path)
+    forget(path)  # a cached read-only connection to the file being replaced
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.unlink(missing_ok=True)
+    con = sqlite3.connect(tmp)
     (a, _), (b, _), (c, _), (ab, _) = schema.tables
     for (t, cols), n in zip(schema.tables, rows, strict=True):
         refs = {e[1]: e[2] for e in schema.fks if e[0] == t}
@@ -148,6 +153,7 @@ def build_db(schema: Schema, folder: Path, seed: int, rows: tuple[int, int, int,
             con.execute(f"INSERT INTO {t} VALUES ({', '.join('?' * len(row))})", row)
     con.commit()
     con.close()
+    os.replace(tmp, path)  # atomic: readers of the old file keep it until they close
     return path
 
 

@@ -83,3 +83,24 @@ def test_spider_folder_round_trip(concerts, tmp_path):
     back, dbs = sx.load_spider(folder)
     assert [(b.question, b.sql, b.hardness) for b in back] == [(i.question, i.sql, i.hardness) for i in items]
     assert sx.execute(dbs["concerts"], back[0].sql) == sx.execute(db, items[0].sql)
+
+
+def _build_many(folder: str) -> int:
+    schema = sw.make_schema("concerts")
+    for _ in range(15):
+        sw.build_db(schema, folder, seed=0)
+    return 0
+
+
+def test_two_processes_building_the_same_world_at_once_neither_fail_nor_leave_a_partial_file(tmp_path):
+    """Two notebook runs of one seed share the cache folder: each writes the world's databases. Built side by side,
+    both must finish and the file must equal a database built alone (CI once hit `disk I/O error` here)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(2) as pool:
+        assert list(pool.map(_build_many, [str(tmp_path / "shared")] * 2)) == [0, 0]
+    alone = sw.build_db(sw.make_schema("concerts"), tmp_path / "alone", seed=0)
+    shared = tmp_path / "shared" / "concerts" / "concerts.sqlite"
+    dump = lambda p: list(sqlite3.connect(p).iterdump())
+    assert dump(shared) == dump(alone)
+    assert [p.name for p in shared.parent.iterdir()] == ["concerts.sqlite"]
