@@ -6,8 +6,10 @@ Prints and writes (reports/gpu/floe_engine.json) per policy: tokens/s (first tok
 per token (and device-to-host: Mixtral-offloading's write-back), misses, the engine's device-resident expert bytes,
 `torch.cuda.max_memory_allocated` during the decode beside the planned bytes (the model's non-expert parameters + the
 engine's device tier + any released expert storage another tensor still held: 0 here), the max |Δ| of its logits
-against the dense model's (BF16 policies ≈ 0 up to rounding; quantized and sparse ones larger), and FloE's logits
-with the kernels against the torch path on the same tokens.
+against the dense model's forward and against the model's own KV-cached decode (the path every engine takes; BF16
+policies ≈ 0 up to rounding, quantized and sparse ones larger), the busy milliseconds per token of each timeline lane
+(compute, transfer, host-side row gather), and FloE's logits with the kernels against the torch path on the same
+tokens. First it prints how far the dense logits move with the path alone (cached decode, eager experts).
 Stops adding policies after `--budget` seconds (default 420).
 `--smoke` runs the same loop on CPU with a tiny model over the simulator (checks the script, measures nothing).
 """
@@ -25,14 +27,42 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lab.models.sample import cached_step
 from lab.models.zoo import tiny_mixtral
 from lab.moe.links import CudaLink, SimLink, TimeModel, h2d_bandwidth
 from lab.moe.offload import OffloadEngine
 
-RUNS = {"FP16 on demand": ("fp16", {}), "INT2 on demand": ("int2", {}), "LRU FP16 k=4": ("lru-fp16", {"cache_k": 4}),
-        "LRU INT2 k=4": ("lru-int2", {"cache_k": 4}), "Mixtral-offloading k=4": ("mixtral", {"cache_k": 4}),
-        "DeepSpeed streaming": ("stream", {}), "FloE keep 0.2": ("floe", {"keep": 0.2}),
-        "FloE keep 0.1": ("floe", {"keep": 0.1})}
+# FloE first, whole-layer streaming (the slowest) last: a run cut by --budget leaves out the least informative
+RUNS = {"FP16 on demand": ("fp16", {}), "FloE keep 0.2": ("floe", {"keep": 0.2}),
+        "FloE keep 0.1": ("floe", {"keep": 0.1}), "INT2 on demand": ("int2", {}),
+        "Mixtral-offloading k=4": ("mixtral", {"cache_k": 4}), "LRU FP16 k=4": ("lru-fp16", {"cache_k": 4}),
+        "LRU INT2 k=4": ("lru-int2", {"cache_k": 4}), "DeepSpeed streaming": ("stream", {})}
+
+
+def references(model, seq, dense) -> tuple[dict[str, float], torch.Tensor]:
+    """How far the dense model's own logits move with the path alone, beside the dense forward (one pass over the
+    sequence, transformers' default experts implementation: `grouped_mm` where torch has it): decoded token by token
+    with its KV cache (as every engine decodes; the engines' `max_abs_vs_cached` compares with these logits), and one
+    pass with the eager experts loop. Returns the max |Δ| of each and the cached logits."""
+    past, steps = None, []
+    for t in range(seq.shape[1]):
+        o, past = cached_step(model, seq[:, t:t + 1], past)
+        steps.append(o.logits[0, -1].float())
+    cached = torch.stack(steps)
+    was = model.get_experts_implementation()
+    model.set_experts_implementation("eager")
+    eager = model(input_ids=seq).logits[0].float()
+    model.set_experts_implementation(was)
+    return {"cached decode": (cached - dense).abs().max().item(),
+            "eager experts": (eager - dense).abs().max().item()}, cached
+
+
+def lane_ms(spans, n_tokens: int) -> dict[str, float]:
+    """Busy milliseconds per token of each timeline lane (compute, transfer, host: the pinned-row gathers)."""
+    busy = {}
+    for s in spans:
+        busy[s.lane] = busy.get(s.lane, 0.0) + (s.end - s.start) * 1e3 / n_tokens
+    return busy
 
 
 def main() -> int:
@@ -57,7 +87,10 @@ def main() -> int:
     link = (lambda: SimLink(TimeModel())) if args.smoke else CudaLink
     with torch.no_grad():
         dense = model(input_ids=seq).logits[0].float()
-    out = {"layers": args.layers, "tokens": args.tokens, "policies": {},
+        refs, cached = references(model, seq, dense)
+    print(f"dense forward ({model.get_experts_implementation()['']} experts): logit std {dense.std():.3f}; max |Δ| of "
+          + ", ".join(f"{k} {v:.3f}" for k, v in refs.items()), flush=True)
+    out = {"layers": args.layers, "tokens": args.tokens, "policies": {}, "references_max_abs_vs_dense": refs,
            "h2d_gbps": None if args.smoke else h2d_bandwidth(n_rows=(50, 1000))}
     for name, (policy, kw) in RUNS.items():
         if time.perf_counter() - t_start > args.budget:
@@ -72,6 +105,8 @@ def main() -> int:
              "planned": st.model_bytes + st.resident_bytes + st.held_bytes, "held_bytes": st.held_bytes,
              "finite": bool(torch.isfinite(logits).all()),
              "max_abs_vs_dense": (logits.float() - dense).abs().max().item(),
+             "max_abs_vs_cached": (logits.float() - cached).abs().max().item(),
+             "lane_ms_per_token": lane_ms(eng.link.spans, len(st.seconds)),
              "seconds": time.perf_counter() - t0}
         if policy == "floe" and kw["keep"] == 0.2:
             ref, _ = OffloadEngine(model, policy, link(), device=dev, kernels=False, **kw).run(seq[:, :4])
@@ -79,7 +114,9 @@ def main() -> int:
         out["policies"][name] = r
         print(f"{name:>24}: {r['tps']:7.2f} tok/s, {r['bytes_per_token'] / 1e6:9.1f} MB/token, miss {r['miss']:.2f}, "
               f"device experts {r['resident_bytes'] / 1e9:6.2f} GB, max allocated {r['max_memory'] / 1e9:6.2f} GB "
-              f"(planned {r['planned'] / 1e9:6.2f} GB), |Δ logits| vs dense {r['max_abs_vs_dense']:.3f}, "
+              f"(planned {r['planned'] / 1e9:6.2f} GB), |Δ logits| vs dense {r['max_abs_vs_dense']:.3f}, vs cached "
+              f"{r['max_abs_vs_cached']:.3f}, busy ms/token "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r["lane_ms_per_token"].items()) + ", "
               f"{r['seconds']:.0f} s", flush=True)
         del eng, logits
         if not args.smoke:

@@ -1,7 +1,9 @@
-"""Sampling from causal LMs for tiny, fixed-length responses (no KV cache: prompts are short)."""
+"""Sampling from causal LMs for tiny, fixed-length responses (no KV cache: prompts are short); `cached_step`, one
+forward with a KV cache on any transformers 5.x."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -47,3 +49,14 @@ def mean_pass_at_k(ok: Tensor, ks) -> list[float]:
 
 
 __all__ = ["sample", "sample_responses", "pass_at_k", "mean_pass_at_k"]
+
+
+def cached_step(model, input_ids: Tensor, past=None):
+    """One forward with a KV cache: `(output, cache)`. transformers 5.2x names the cache `cache` (argument and output
+    field; `past_key_values` deprecated), earlier 5.x releases `past_key_values` (only); the one this model's
+    forward takes is used, so the lab runs on either (e.g. the 5.17 of a lent GPU machine's image)."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        out = model(input_ids=input_ids, cache=past, use_cache=True)
+        return out, out.cache
+    out = model(input_ids=input_ids, past_key_values=past, use_cache=True)
+    return out, out.past_key_values

@@ -3,10 +3,13 @@ baseline sized to FloE's device memory, and `Decoder`, which decodes held-out se
 bytes/token, tokens/s (modelled on CPU by the device-tier simulator, measured with CUDA events on a GPU), misses,
 loss, one token's timeline, the engine's device bytes and, on CUDA, `torch.cuda.max_memory_allocated` beside the
 planned bytes. Simulated decodes are cached stages (deterministic); CUDA decodes always run (their times are
-measurements)."""
+measurements). The sweeps over PCIe bandwidth and device budget are modelled on any device (`Decoder.modelled`)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -104,16 +107,25 @@ class Decoder:
                    for s in self.seqs) / len(self.seqs)
 
     def simulate(self, gbps: float, keep: float, budget_kb: float) -> dict[str, dict]:
-        """Each policy under one device budget for experts (beyond layer 0, `offload_policies.plan`), one sequence;
-        a policy that does not fit is left out (the offload explorer's callback)."""
+        """Each policy under one device budget for experts (beyond layer 0, `offload_policies.plan`), one sequence,
+        over the simulator (also on CUDA); a policy that does not fit is left out (the offload explorer's callback)."""
         fit_ = plan(self.model, int(budget_kb * 1e3), keep)
         runs = {"FP16 on demand": ("fp16", {})}
         runs.update({name: (pol, fit_[pol]) for name, pol in BUDGETED if fit_[pol] is not None})
-        return self.decode_all(runs, gbps, n=1)
+        return self.modelled.decode_all(runs, gbps, n=1)
+
+    @functools.cached_property
+    def modelled(self) -> Decoder:
+        """This decoder over the simulator: itself on CPU; on CUDA a CPU copy of the model and sequences, since a
+        GPU's PCIe bandwidth and memory cannot be set: the sweeps over bandwidth and device budget are modelled."""
+        if self.device != "cuda":
+            return self
+        return dataclasses.replace(self, model=copy.deepcopy(self.model).cpu(), seqs=self.seqs.cpu(), device="cpu")
 
     def tps_by_bandwidth(self, policies: dict[str, tuple[str, dict]], bandwidths: tuple[float, ...]) -> dict:
-        """{policy: [tokens/s at each bandwidth]}, one sequence."""
-        return {name: [self.decode(p, kw, b, n=1)["tps"] for b in bandwidths] for name, (p, kw) in policies.items()}
+        """{policy: [modelled tokens/s at each bandwidth]}, one sequence (over the simulator, also on CUDA)."""
+        sim = self.modelled
+        return {name: [sim.decode(p, kw, b, n=1)["tps"] for b in bandwidths] for name, (p, kw) in policies.items()}
 
     def tps_by_budget(self, budgets_kb: tuple[float, ...], keep: float) -> dict[str, list]:
         """{LRU FP16, LRU INT2, Mixtral-offloading, floe: [tokens/s under each device budget, None where it does

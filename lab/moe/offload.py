@@ -59,6 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from lab.models import hooks
+from lab.models.sample import cached_step
 from lab.moe import offload_store as st
 from lab.moe.blocks import moe_blocks, weights
 from lab.moe.links import SimLink
@@ -296,8 +297,7 @@ class OffloadEngine:
                 self.stats.bytes.append(0)
                 self.stats.bytes_back.append(0)
                 a = self.link.mark()
-                out = self.model(input_ids=input_ids[:, t:t + 1], cache=past, use_cache=True)
-                past = out.cache
+                out, past = cached_step(self.model, input_ids[:, t:t + 1], past)
                 logits.append(out.logits[0, -1])
                 self.stats.seconds.append(self.link.elapsed(a, self.link.mark()))
                 self.last_token = a

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lab.core.stages import stage
+from lab.models.sample import cached_step
 from lab.reasoning import latent_tokens as lt
 from lab.reasoning.latent_tokens import Vocab
 
@@ -43,8 +44,8 @@ def generate(model, prefix: torch.Tensor, vocab: Vocab, *, latent: bool, force_c
     need = force_codes
     out, past, step_in = [], None, prefix.to(dev)
     for _ in range(max_new):
-        res = model(input_ids=step_in, cache=past, use_cache=True)
-        past, logits = res.cache, res.logits[:, -1].float().cpu()
+        res, past = cached_step(model, step_in, past)
+        logits = res.logits[:, -1].float().cpu()
         logits = F.pad(logits, (0, V - logits.shape[1]), value=NEG)
         allow = torch.zeros(B, V, dtype=torch.bool)
         allow[phase == 2] = text

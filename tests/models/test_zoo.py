@@ -65,3 +65,33 @@ def test_nope_llama_ignores_position_and_survives_save_load(tmp_path):
     with_rope = tiny_llama(vocab_size=20, d_model=32, n_layers=1, n_heads=2).eval()
     att = with_rope(input_ids=x, output_attentions=True).attentions[0][0, :, 3, :3]
     assert not torch.allclose(att, att[:, :1].expand(-1, 3))
+
+
+class _OldCacheApi(torch.nn.Module):
+    """A model as transformers 5.0–5.1x exposes it: the KV cache only as `past_key_values` (argument and output)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True):
+        out = self.model(input_ids=input_ids, cache=past_key_values, use_cache=use_cache)
+        return type("Out", (), {"logits": out.logits, "past_key_values": out.cache})()
+
+
+@pytest.mark.parametrize("old_api", [False, True])
+def test_cached_step_decodes_as_the_full_forward_on_either_cache_api(old_api):
+    from lab.models.sample import cached_step
+
+    torch.manual_seed(0)
+    model = tiny_mixtral(vocab_size=30, d_model=32, n_layers=2, n_heads=4, d_ff=48, n_experts=4).eval()
+    ids = torch.randint(30, (1, 7))
+    m = _OldCacheApi(model) if old_api else model
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[0]
+        past, steps = None, []
+        for t in range(ids.shape[1]):
+            out, past = cached_step(m, ids[:, t:t + 1], past)
+            steps.append(out.logits[0, -1])
+    assert past is not None
+    torch.testing.assert_close(torch.stack(steps), full, rtol=1e-4, atol=1e-4)

@@ -208,3 +208,17 @@ def test_mixtral_at_equal_memory(model):
     eng = lambda k: OffloadEngine(model, "mixtral", SimLink(TimeModel()), cache_k=k)
     assert kw is not None and eng(kw["cache_k"]).stats.resident_bytes <= floe_bytes
     assert kw["cache_k"] == 4 or eng(kw["cache_k"] + 1).stats.resident_bytes > floe_bytes
+
+
+def test_sweeps_are_modelled_on_cuda_too(model):
+    """A GPU's PCIe bandwidth cannot be set: on CUDA the bandwidth and budget sweeps run over the simulator on a CPU
+    copy of the model (on CPU here: the copy is made and used without touching CUDA), with the CPU decoder's results."""
+    seqs = torch.randint(40, (1, 6), generator=torch.Generator().manual_seed(7))
+    cpu, gpu = fd.Decoder(model, seqs), fd.Decoder(model, seqs, device="cuda")
+    assert cpu.modelled is cpu
+    sim = gpu.modelled
+    assert sim.device == "cpu" and sim.model is not model and sim is gpu.modelled
+    pols = {"fp16": ("fp16", {}), "floe": ("floe", {"keep": 0.25})}
+    assert gpu.tps_by_bandwidth(pols, (1.0, 100.0)) == cpu.tps_by_bandwidth(pols, (1.0, 100.0))
+    assert {n: r["tps"] for n, r in gpu.simulate(25.0, 0.25, 1e6).items()} == \
+        {n: r["tps"] for n, r in cpu.simulate(25.0, 0.25, 1e6).items()}
