@@ -4,8 +4,9 @@ intermediate 14336, 8 experts, top-2; `--layers` decoder layers, layer 0 residen
 
 Prints and writes (reports/gpu/floe_engine.json) per policy: tokens/s (first token left out), host-to-device bytes
 per token (and device-to-host: Mixtral-offloading's write-back), misses, the engine's device-resident expert bytes,
-`torch.cuda.max_memory_allocated` during the decode beside the planned bytes (the model's non-expert parameters + the
-engine's device tier + any released expert storage another tensor still held: 0 here), the max |Δ| of its logits
+`torch.cuda.max_memory_allocated` during the decode (and `memory_allocated` as it starts: the gap is transient)
+beside the planned bytes (the model's non-expert parameters + the engine's device tier + any released expert storage
+another tensor still held: 0 here), the max |Δ| of its logits
 against the dense model's forward and against the model's own KV-cached decode (the path every engine takes; BF16
 policies ≈ 0 up to rounding, quantized and sparse ones larger), the busy milliseconds per token of each timeline lane
 (compute, transfer, host-side row gather), and FloE's logits with the kernels against the torch path on the same
@@ -102,6 +103,7 @@ def main() -> int:
         r = {"tps": (len(st.seconds) - 1) / sum(st.seconds[1:]), "bytes_per_token": sum(st.bytes) / len(st.bytes),
              "bytes_back_per_token": sum(st.bytes_back) / len(st.bytes_back),
              "miss": st.misses / max(1, st.calls), "resident_bytes": st.resident_bytes, "max_memory": st.max_memory,
+             "start_memory": st.start_memory,
              "planned": st.model_bytes + st.resident_bytes + st.held_bytes, "held_bytes": st.held_bytes,
              "finite": bool(torch.isfinite(logits).all()),
              "max_abs_vs_dense": (logits.float() - dense).abs().max().item(),
@@ -114,8 +116,8 @@ def main() -> int:
         out["policies"][name] = r
         print(f"{name:>24}: {r['tps']:7.2f} tok/s, {r['bytes_per_token'] / 1e6:9.1f} MB/token, miss {r['miss']:.2f}, "
               f"device experts {r['resident_bytes'] / 1e9:6.2f} GB, max allocated {r['max_memory'] / 1e9:6.2f} GB "
-              f"(planned {r['planned'] / 1e9:6.2f} GB), |Δ logits| vs dense {r['max_abs_vs_dense']:.3f}, vs cached "
-              f"{r['max_abs_vs_cached']:.3f}, busy ms/token "
+              f"(planned {r['planned'] / 1e9:6.2f} GB, at start {r['start_memory'] / 1e9:6.2f} GB), "
+              f"|Δ logits| vs dense {r['max_abs_vs_dense']:.3f}, vs cached {r['max_abs_vs_cached']:.3f}, busy ms/token "
               + ", ".join(f"{k} {v:.1f}" for k, v in r["lane_ms_per_token"].items()) + ", "
               f"{r['seconds']:.0f} s", flush=True)
         del eng, logits

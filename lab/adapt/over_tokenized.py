@@ -37,7 +37,6 @@ from lab.core import params
 
 IDS = ("ngram", "leak", "unigram")  # how the tables are indexed: the paper's / a left shift / the current token
 CONTROLS = {  # the substitutions a skeptic would make; the notebook declares which claims each must break
-    "future_leak": "n-gram ids built with a LEFT shift (x_{t+1} instead of x_{t−1}): the model reads the future",
     "unigram_ids": "every n-gram table indexed by the current token alone: as many embedding parameters, no context",
 }
 WEIGHTS = "over_encoding.safetensors"

@@ -103,6 +103,7 @@ class Stats:
     held_bytes: int = 0  # bytes of the released expert storages other tensors still hold (not freed: on CUDA in
     # max_memory, though neither the model nor the engine holds them)
     max_memory: int = 0  # CUDA: torch.cuda.max_memory_allocated during the decode (weights, KV cache, activations)
+    start_memory: int = 0  # CUDA: torch.cuda.memory_allocated as the decode starts (max_memory − it: transient)
 
 
 def form_of(policy: str, W: tuple[Tensor, Tensor, Tensor], wd: torch.dtype, group_size: int) -> st.Form:
@@ -292,6 +293,7 @@ class OffloadEngine:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                self.stats.start_memory = torch.cuda.memory_allocated()
             past, logits = None, []
             for t in range(input_ids.shape[1]):
                 self.stats.bytes.append(0)

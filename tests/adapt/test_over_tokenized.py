@@ -200,7 +200,6 @@ def test_runs_cover_the_paper_settings_and_controls_switch_ids():
     assert runs["baseline"] is None and runs["OE m=8V=512"]["m"] == 512
     assert runs["2-gram only m=509"]["unigram"] is False and runs["1+2+3-gram k=2 m=4093"] == {
         "n": 3, "k": 2, "m": 4093, "ids_mode": "ngram"}
-    assert {r["ids_mode"] for r in ots.Config.for_scale("smoke", "future_leak").runs().values() if r} == {"leak"}
     assert {r["ids_mode"] for r in ots.Config.for_scale("smoke", "unigram_ids").runs().values() if r} == {"unigram"}
 
 
