@@ -10,7 +10,10 @@ another tensor still held: 0 here), the max |Δ| of its logits
 against the dense model's forward and against the model's own KV-cached decode (the path every engine takes; BF16
 policies ≈ 0 up to rounding, quantized and sparse ones larger), the busy milliseconds per token of each timeline lane
 (compute, transfer, host-side row gather), and FloE's logits with the kernels against the torch path on the same
-tokens. First it prints how far the dense logits move with the path alone (cached decode, eager experts).
+tokens, and at how many (layer, token) pairs its routers chose other experts than the dense forward's and the cached
+decode's (a flip replaces an expert's whole output: with random weights, Δ of the order of the logits' std). First it
+prints how far the dense logits move with the path alone (cached decode, eager experts), how many routes the cached
+decode changes, and the smallest top-k router margin of the dense forward.
 Stops adding policies after `--budget` seconds (default 420).
 `--smoke` runs the same loop on CPU with a tiny model over the simulator (checks the script, measures nothing).
 """
@@ -18,6 +21,7 @@ Stops adding policies after `--budget` seconds (default 420).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lab.models.sample import cached_step
 from lab.models.zoo import tiny_mixtral
+from lab.moe.blocks import moe_blocks
 from lab.moe.links import CudaLink, SimLink, TimeModel, h2d_bandwidth
 from lab.moe.offload import OffloadEngine
 
@@ -40,22 +45,67 @@ RUNS = {"FP16 on demand": ("fp16", {}), "FloE keep 0.2": ("floe", {"keep": 0.2})
         "LRU INT2 k=4": ("lru-int2", {"cache_k": 4}), "DeepSpeed streaming": ("stream", {})}
 
 
+@contextlib.contextmanager
+def routes(model):
+    """Records the experts each MoE layer's router chose for the layer's own tokens (not the calls a policy makes to
+    predict the next layer's experts): yields a list that gets one (layers, T, top_k) tensor of sorted expert ids when
+    the block exits (T: every token the layers saw, in order)."""
+    seen, out, cur, handles = {}, [], [None], []
+
+    def record(l: int, o) -> None:  # a hook that returned a value would replace the router's output
+        if cur[0] == l:
+            seen.setdefault(l, []).append(o[2].sort(-1).values)
+
+    for l, b in enumerate(moe_blocks(model)):
+        handles += [b.register_forward_pre_hook(lambda m, a, l=l: cur.__setitem__(0, l)),
+                    b.register_forward_hook(lambda m, a, o: cur.__setitem__(0, None)),
+                    b.gate.register_forward_hook(lambda m, a, o, l=l: record(l, o))]
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+        out.append(torch.stack([torch.cat(seen[l]).cpu() for l in sorted(seen)]))
+
+
+def flips(a: torch.Tensor, b: torch.Tensor) -> int:
+    """(token, layer) pairs whose routed expert sets differ between two `routes` records."""
+    return int((a != b).any(-1).sum())
+
+
+def router_margin(model, seq) -> float:
+    """The smallest gap, over tokens and layers, between the k-th and (k+1)-th router probability of the dense
+    forward: how close the routing is to a flip that rounding could cause."""
+    gaps = []
+    handles = [b.gate.register_forward_hook(
+        lambda m, a, o: gaps.append(o[0].float().softmax(-1).topk(m.top_k + 1, -1).values.diff(dim=-1)[:, -1].abs()
+                                    .min())) for b in moe_blocks(model)]
+    try:
+        model(input_ids=seq)
+    finally:
+        for h in handles:
+            h.remove()
+    return min(g.item() for g in gaps)
+
+
 def references(model, seq, dense) -> tuple[dict[str, float], torch.Tensor]:
     """How far the dense model's own logits move with the path alone, beside the dense forward (one pass over the
     sequence, transformers' default experts implementation: `grouped_mm` where torch has it): decoded token by token
     with its KV cache (as every engine decodes; the engines' `max_abs_vs_cached` compares with these logits), and one
-    pass with the eager experts loop. Returns the max |Δ| of each and the cached logits."""
+    pass with the eager experts loop. Returns the max |Δ| of each, the cached logits and the cached decode's
+    `routes`."""
     past, steps = None, []
-    for t in range(seq.shape[1]):
-        o, past = cached_step(model, seq[:, t:t + 1], past)
-        steps.append(o.logits[0, -1].float())
+    with routes(model) as r:
+        for t in range(seq.shape[1]):
+            o, past = cached_step(model, seq[:, t:t + 1], past)
+            steps.append(o.logits[0, -1].float())
     cached = torch.stack(steps)
     was = model.get_experts_implementation()
     model.set_experts_implementation("eager")
     eager = model(input_ids=seq).logits[0].float()
     model.set_experts_implementation(was)
     return {"cached decode": (cached - dense).abs().max().item(),
-            "eager experts": (eager - dense).abs().max().item()}, cached
+            "eager experts": (eager - dense).abs().max().item()}, cached, r[0]
 
 
 def lane_ms(spans, n_tokens: int) -> dict[str, float]:
@@ -87,11 +137,18 @@ def main() -> int:
     seq = torch.randint(512, (1, args.tokens), generator=torch.Generator().manual_seed(1)).to(dev)
     link = (lambda: SimLink(TimeModel())) if args.smoke else CudaLink
     with torch.no_grad():
-        dense = model(input_ids=seq).logits[0].float()
-        refs, cached = references(model, seq, dense)
+        with routes(model) as r:
+            dense = model(input_ids=seq).logits[0].float()
+        dense_routes = r[0]
+        refs, cached, cached_routes = references(model, seq, dense)
+        margin = router_margin(model, seq)
+    ref_flips = flips(cached_routes, dense_routes)
     print(f"dense forward ({model.get_experts_implementation()['']} experts): logit std {dense.std():.3f}; max |Δ| of "
-          + ", ".join(f"{k} {v:.3f}" for k, v in refs.items()), flush=True)
+          + ", ".join(f"{k} {v:.3f}" for k, v in refs.items())
+          + f"; cached decode routes {ref_flips} of {dense_routes[..., 0].numel()} (layer, token) pairs differently; "
+          f"smallest router margin p_k − p_k+1 {margin:.2e}", flush=True)
     out = {"layers": args.layers, "tokens": args.tokens, "policies": {}, "references_max_abs_vs_dense": refs,
+           "cached_route_flips": ref_flips, "router_margin": margin,
            "h2d_gbps": None if args.smoke else h2d_bandwidth(n_rows=(50, 1000))}
     for name, (policy, kw) in RUNS.items():
         if time.perf_counter() - t_start > args.budget:
@@ -99,7 +156,8 @@ def main() -> int:
             continue
         t0 = time.perf_counter()
         eng = OffloadEngine(model, policy, link(), device=dev, **kw)
-        logits, st = eng.run(seq)
+        with routes(model) as rr:
+            logits, st = eng.run(seq)
         r = {"tps": (len(st.seconds) - 1) / sum(st.seconds[1:]), "bytes_per_token": sum(st.bytes) / len(st.bytes),
              "bytes_back_per_token": sum(st.bytes_back) / len(st.bytes_back),
              "miss": st.misses / max(1, st.calls), "resident_bytes": st.resident_bytes, "max_memory": st.max_memory,
@@ -108,6 +166,7 @@ def main() -> int:
              "finite": bool(torch.isfinite(logits).all()),
              "max_abs_vs_dense": (logits.float() - dense).abs().max().item(),
              "max_abs_vs_cached": (logits.float() - cached).abs().max().item(),
+             "route_flips_vs_dense": flips(rr[0], dense_routes), "route_flips_vs_cached": flips(rr[0], cached_routes),
              "lane_ms_per_token": lane_ms(eng.link.spans, len(st.seconds)),
              "seconds": time.perf_counter() - t0}
         if policy == "floe" and kw["keep"] == 0.2:
@@ -117,7 +176,8 @@ def main() -> int:
         print(f"{name:>24}: {r['tps']:7.2f} tok/s, {r['bytes_per_token'] / 1e6:9.1f} MB/token, miss {r['miss']:.2f}, "
               f"device experts {r['resident_bytes'] / 1e9:6.2f} GB, max allocated {r['max_memory'] / 1e9:6.2f} GB "
               f"(planned {r['planned'] / 1e9:6.2f} GB, at start {r['start_memory'] / 1e9:6.2f} GB), "
-              f"|Δ logits| vs dense {r['max_abs_vs_dense']:.3f}, vs cached {r['max_abs_vs_cached']:.3f}, busy ms/token "
+              f"|Δ logits| vs dense {r['max_abs_vs_dense']:.3f}, vs cached {r['max_abs_vs_cached']:.3f}, routes differ "
+              f"from dense / cached at {r['route_flips_vs_dense']} / {r['route_flips_vs_cached']}, busy ms/token "
               + ", ".join(f"{k} {v:.1f}" for k, v in r["lane_ms_per_token"].items()) + ", "
               f"{r['seconds']:.0f} s", flush=True)
         del eng, logits
