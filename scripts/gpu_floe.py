@@ -6,14 +6,15 @@ Prints and writes (reports/gpu/floe_engine.json) per policy: tokens/s (first tok
 per token (and device-to-host: Mixtral-offloading's write-back), misses, the engine's device-resident expert bytes,
 `torch.cuda.max_memory_allocated` during the decode (and `memory_allocated` as it starts: the gap is transient)
 beside the planned bytes (the model's non-expert parameters + the engine's device tier + any released expert storage
-another tensor still held: 0 here), the max |Δ| of its logits
-against the dense model's forward and against the model's own KV-cached decode (the path every engine takes; BF16
-policies ≈ 0 up to rounding, quantized and sparse ones larger), the busy milliseconds per token of each timeline lane
-(compute, transfer, host-side row gather), and FloE's logits with the kernels against the torch path on the same
-tokens, and at how many (layer, token) pairs its routers chose other experts than the dense forward's and the cached
-decode's (a flip replaces an expert's whole output: with random weights, Δ of the order of the logits' std). First it
-prints how far the dense logits move with the path alone (cached decode, eager experts), how many routes the cached
-decode changes, and the smallest top-k router margin of the dense forward.
+another tensor still held: 0 here), the max |Δ| of its logits against the dense model's forward and against the
+model's own KV-cached decode (the path every engine takes; BF16 policies ≈ 0 up to rounding, quantized and sparse
+ones larger), at how many (layer, token) pairs its routers chose other experts than the dense forward's and the
+cached decode's (a flip replaces an expert's whole output: with random weights, Δ of the order of the logits' std),
+the busy milliseconds per token of each timeline lane (compute, transfer, host-side row gather; FloE also with a
+one-thread gather), and FloE's logits with the kernels against the torch path on the same tokens. First it prints
+how far the dense logits move with the path alone (cached decode, eager experts), how many routes the cached decode
+changes, the smallest top-k router margin of the dense forward, and the host's row-gather GB/s on 1 and on
+`CudaLink`'s gather threads.
 Stops adding policies after `--budget` seconds (default 420).
 `--smoke` runs the same loop on CPU with a tiny model over the simulator (checks the script, measures nothing).
 """
@@ -35,14 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.models.sample import cached_step
 from lab.models.zoo import tiny_mixtral
 from lab.moe.blocks import moe_blocks
-from lab.moe.links import CudaLink, SimLink, TimeModel, h2d_bandwidth
+from lab.moe.links import CudaLink, SimLink, TimeModel, gather_bandwidth, h2d_bandwidth
 from lab.moe.offload import OffloadEngine
 
 # FloE first, whole-layer streaming (the slowest) last: a run cut by --budget leaves out the least informative
-RUNS = {"FP16 on demand": ("fp16", {}), "FloE keep 0.2": ("floe", {"keep": 0.2}),
-        "FloE keep 0.1": ("floe", {"keep": 0.1}), "INT2 on demand": ("int2", {}),
-        "Mixtral-offloading k=4": ("mixtral", {"cache_k": 4}), "LRU FP16 k=4": ("lru-fp16", {"cache_k": 4}),
-        "LRU INT2 k=4": ("lru-int2", {"cache_k": 4}), "DeepSpeed streaming": ("stream", {})}
+# (policy, engine options, CudaLink options): FloE also with one gather thread, the host gather the 2026-12-04 run
+# had (its 29 tok/s matched the simulator with this machine's one-thread gather, 8.75 GB/s; 76 tok/s at 25 GB/s)
+RUNS = {"FP16 on demand": ("fp16", {}, {}), "FloE keep 0.2": ("floe", {"keep": 0.2}, {}),
+        "FloE keep 0.2, 1 gather thread": ("floe", {"keep": 0.2}, {"gather_threads": 1}),
+        "FloE keep 0.1": ("floe", {"keep": 0.1}, {}), "INT2 on demand": ("int2", {}, {}),
+        "Mixtral-offloading k=4": ("mixtral", {"cache_k": 4}, {}), "LRU FP16 k=4": ("lru-fp16", {"cache_k": 4}, {}),
+        "LRU INT2 k=4": ("lru-int2", {"cache_k": 4}, {}), "DeepSpeed streaming": ("stream", {}, {})}
 
 
 @contextlib.contextmanager
@@ -135,7 +139,7 @@ def main() -> int:
         model = tiny_mixtral(vocab_size=512, d_model=H, n_layers=args.layers, n_heads=heads, d_ff=F, n_experts=8,
                              top_k=2).to(torch.bfloat16).eval()
     seq = torch.randint(512, (1, args.tokens), generator=torch.Generator().manual_seed(1)).to(dev)
-    link = (lambda: SimLink(TimeModel())) if args.smoke else CudaLink
+    link = (lambda **kw: SimLink(TimeModel())) if args.smoke else CudaLink
     with torch.no_grad():
         with routes(model) as r:
             dense = model(input_ids=seq).logits[0].float()
@@ -147,15 +151,21 @@ def main() -> int:
           + ", ".join(f"{k} {v:.3f}" for k, v in refs.items())
           + f"; cached decode routes {ref_flips} of {dense_routes[..., 0].numel()} (layer, token) pairs differently; "
           f"smallest router margin p_k − p_k+1 {margin:.2e}", flush=True)
+    threads = 2 if args.smoke else CudaLink().gather_threads
+    gb = (lambda **kw: gather_bandwidth(H=64, F=256, **kw)) if args.smoke else gather_bandwidth
+    gather = {1: gb(), threads: gb(threads=threads)}
+    print("host row gather (keep 0.2 of a Mixtral expert's FP16 gate/down rows): "
+          + ", ".join(f"{v:.1f} GB/s on {n} thread(s)" for n, v in gather.items())
+          + f"; torch's own intra-op threads {torch.get_num_threads()}, cores {os.cpu_count()}", flush=True)
     out = {"layers": args.layers, "tokens": args.tokens, "policies": {}, "references_max_abs_vs_dense": refs,
-           "cached_route_flips": ref_flips, "router_margin": margin,
+           "cached_route_flips": ref_flips, "router_margin": margin, "gather_gbps_by_threads": gather,
            "h2d_gbps": None if args.smoke else h2d_bandwidth(n_rows=(50, 1000))}
-    for name, (policy, kw) in RUNS.items():
+    for name, (policy, kw, link_kw) in RUNS.items():
         if time.perf_counter() - t_start > args.budget:
             print(f"{name}: skipped (over the {args.budget:.0f} s budget)")
             continue
         t0 = time.perf_counter()
-        eng = OffloadEngine(model, policy, link(), device=dev, **kw)
+        eng = OffloadEngine(model, policy, link(**link_kw), device=dev, **kw)
         with routes(model) as rr:
             logits, st = eng.run(seq)
         r = {"tps": (len(st.seconds) - 1) / sum(st.seconds[1:]), "bytes_per_token": sum(st.bytes) / len(st.bytes),
@@ -169,7 +179,7 @@ def main() -> int:
              "route_flips_vs_dense": flips(rr[0], dense_routes), "route_flips_vs_cached": flips(rr[0], cached_routes),
              "lane_ms_per_token": lane_ms(eng.link.spans, len(st.seconds)),
              "seconds": time.perf_counter() - t0}
-        if policy == "floe" and kw["keep"] == 0.2:
+        if name == "FloE keep 0.2":
             ref, _ = OffloadEngine(model, policy, link(), device=dev, kernels=False, **kw).run(seq[:, :4])
             r["kernels_vs_torch_max_abs"] = (logits[:4].float() - ref.float()).abs().max().item()
         out["policies"][name] = r

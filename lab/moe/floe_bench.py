@@ -235,11 +235,13 @@ def form_fn(model: nn.Module, policy: str) -> blocks.ExpertFn:
 
 def cuda_timings() -> tuple[dict, dict]:
     """On a GPU: the Triton kernels against the dense torch expert at Mixtral's shape (ms, speedups), and pinned
-    host-to-device GB/s of compact row chunks against per-row copies, with the host's one-thread row-gather GB/s
-    (`links.gather_bandwidth`, what the simulator's `TimeModel.host` models) beside them."""
+    host-to-device GB/s of compact row chunks against per-row copies, with the host's row-gather GB/s on one thread
+    and on `CudaLink`'s gather threads (`links.gather_bandwidth`, what the simulator's `TimeModel.host` models)."""
     from lab.kernels.floe_bench import bench as kernel_bench
 
-    return kernel_bench(), links.h2d_bandwidth() | {"host_gather_one_thread": links.gather_bandwidth()}
+    n = links.CudaLink().gather_threads
+    return kernel_bench(), links.h2d_bandwidth() | {"host_gather_one_thread": links.gather_bandwidth(),
+                                                    f"host_gather_{n}_threads": links.gather_bandwidth(threads=n)}
 
 
 def report(results: dict[str, dict], device: str) -> str:

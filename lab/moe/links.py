@@ -24,6 +24,8 @@ has Mixtral's proportions.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -68,6 +70,26 @@ class Span:
 
 def _nbytes(x: Tensor) -> int:
     return x.numel() * x.element_size()
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """torch's intra-op CPU threads set to n inside the block and restored after it."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
+
+
+def row_gather(host: Tensor, idx: Tensor, out: Tensor, threads: int = 1) -> Tensor:
+    """host[idx] into `out` with `threads` CPU threads (torch's `index_select`, which splits the rows among its
+    intra-op threads; FloE packs rows with several threads, Sec. 3.4.2): what both links' gathers run. The lab sets
+    torch to one thread at smoke scale (two notebooks side by side on two cores), so the thread count is explicit.
+    `CudaLink.gather` runs it; `SimLink` models its time (`TimeModel.host`)."""
+    with intra_op_threads(threads):
+        return torch.index_select(host, 0, idx, out=out)
 
 
 class SimLink:
@@ -129,10 +151,12 @@ class SimLink:
 
 class CudaLink(SimLink):
     """Real H2D copies from pinned host memory on a side stream; CUDA events time copies and compute, the host
-    clock the gathers (aligned to the events at construction). One synchronisation per token (`elapsed`)."""
+    clock the gathers (aligned to the events at construction). One synchronisation per token (`elapsed`).
+    `gather_threads`: CPU threads of each host row gather (default: the machine's cores, at most 8)."""
 
-    def __init__(self, device: str = "cuda"):
+    def __init__(self, device: str = "cuda", gather_threads: int | None = None):
         super().__init__(TimeModel())
+        self.gather_threads = gather_threads or min(8, os.cpu_count() or 1)
         self.device, self.stream = device, torch.cuda.Stream(device)
         self.index_stream = torch.cuda.Stream(device)  # device->host index copies, behind nothing but a prediction
         torch.cuda.synchronize()
@@ -187,7 +211,7 @@ class CudaLink(SimLink):
             slot[0] = torch.empty((max(n, 1),) + tuple(host.shape[1:]), dtype=host.dtype).pin_memory()
         out = slot[0][:n]
         start = time.perf_counter() - self.h0
-        torch.index_select(host, 0, idx, out=out)
+        row_gather(host, idx, out, self.gather_threads)
         end = time.perf_counter() - self.h0
         self._host.append(Span("host", layer, start, end, what, needs))
         self._pending = slot
@@ -276,15 +300,16 @@ def h2d_bandwidth(H: int = 4096, n_rows: tuple[int, ...] = (1, 10, 50, 200, 1000
     return out
 
 
-def gather_bandwidth(H: int = 4096, F: int = 14336, keep: float = 0.2, reps: int = 5, seed: int = 0) -> float:
-    """Host GB/s of one thread gathering keep·F random (2, H) FP16 rows of an (F, 2, H) store into a staging
-    buffer (`torch.index_select`, what both links run): the measured counterpart of `TimeModel.host`."""
+def gather_bandwidth(H: int = 4096, F: int = 14336, keep: float = 0.2, reps: int = 5, seed: int = 0,
+                     threads: int = 1) -> float:
+    """Host GB/s of `threads` CPU threads gathering keep·F random (2, H) FP16 rows of an (F, 2, H) store into a
+    staging buffer (`row_gather`, what both links run): the measured counterpart of `TimeModel.host`."""
     g = torch.Generator().manual_seed(seed)
     src = torch.randn(F, 2, H, generator=g).half()
     idx = torch.randperm(F, generator=g)[: max(1, round(keep * F))].sort().values
     out = torch.empty(len(idx), 2, H, dtype=torch.float16)
-    torch.index_select(src, 0, idx, out=out)
+    row_gather(src, idx, out, threads)
     t0 = time.perf_counter()
     for _ in range(reps):
-        torch.index_select(src, 0, idx, out=out)
+        row_gather(src, idx, out, threads)
     return _nbytes(out) * reps / (time.perf_counter() - t0) / 1e9

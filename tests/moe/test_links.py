@@ -57,6 +57,23 @@ def test_sim_link_lanes_and_dependencies():
     assert link.mark() == 1.0 and link.elapsed(0.5, 2.0) == 1.5
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_row_gather_is_index_select_and_restores_torch_threads(threads):
+    """The links' host gather with n threads returns host[idx] exactly (rows in idx's order, repeats kept) and leaves
+    torch's thread count as it found it, also when the gather fails."""
+    from lab.moe.links import row_gather
+
+    g = torch.Generator().manual_seed(threads)
+    host = torch.randn(50, 2, 8, generator=g).half()
+    idx = torch.tensor([7, 3, 3, 49, 0, 12, 31])
+    was = torch.get_num_threads()
+    out = row_gather(host, idx, torch.empty(len(idx), 2, 8, dtype=torch.float16), threads)
+    assert torch.equal(out, host[idx]) and torch.get_num_threads() == was
+    with pytest.raises(IndexError):
+        row_gather(host, torch.tensor([50]), torch.empty(1, 2, 8, dtype=torch.float16), threads)
+    assert torch.get_num_threads() == was
+
+
 def test_gather_bandwidth_runs():
     from lab.moe.links import gather_bandwidth
 
@@ -128,7 +145,7 @@ def test_gpu_script_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads(out.read_text())
     res = rec["policies"]
-    assert len(res) == 8 and all(v["finite"] and v["tps"] > 0 and v["bytes_per_token"] > 0 for v in res.values())
+    assert len(res) == 9 and all(v["finite"] and v["tps"] > 0 and v["bytes_per_token"] > 0 for v in res.values())
     assert res["FP16 on demand"]["max_abs_vs_dense"] < 0.1  # BF16 experts moved whole: the dense model's logits
     # routes recorded per layer for the layer's own tokens only (FloE's and Mixtral-offloading's next-layer
     # predictions call the routers too; recorded, they would not line up with the dense forward's and raise)
