@@ -6,11 +6,13 @@ so only row j of W_gate and row j of W_downᵀ are fetched and multiplied. For o
 
 - `masked_gate_up`: h_j = SiLU(W_gate[j]·x) · a_up_j on kept rows, 0 elsewhere; one program per BLOCK_F rows,
   masked-off rows are never loaded, the H loop runs in BLOCK_H chunks with fp32 accumulation.
-- `masked_down`: y = Σ_{j kept} h_j · W_downᵀ[j]; a grid over (F blocks, H blocks) whose partial sums meet in a
-  zero-initialised fp32 output through `tl.atomic_add` (as FloE and CATS do).
-- `int2_gemv`: a_up = W_up x with W_up unpacked from 2-bit codes (the packing of `lab.compress.quant`) in registers;
-  the FP16 (or FP32) scale/zero applied once per group, Σ_g s_g (Σ_{k∈g} q_k x_k − z_g Σ_{k∈g} x_k), not once per
-  weight (fewer loads; no register spills at any autotuner tile); `rows=idx` computes only the kept rows.
+- `masked_down`: y = Σ_{j kept} h_j · W_downᵀ[j]; a grid over (groups of ITERS_F row blocks, H blocks) whose
+  partial sums meet in a zero-initialised fp32 output through `tl.atomic_add` (as FloE and CATS do), one atomic add
+  per output and program.
+- `int2_gemv`: a_up = W_up x with W_up unpacked from 2-bit codes (the packing of `lab.compress.quant`) in registers:
+  each packed byte loaded once (contiguous bytes per row: vector loads) and its four codes multiplied with the four
+  inputs they belong to; the FP16 (or FP32) scale/zero applied once per group,
+  Σ_g s_g (Σ_{k∈g} q_k x_k − z_g Σ_{k∈g} x_k), not once per weight; `rows=idx` computes only the kept rows.
 - `sparse_expert`: the offload engine's decode path (`lab.moe.offload_policies`) on CUDA: the three kernels on the
   compact transferred rows (n, 2, H), read in place through their row stride, output in x's dtype.
 - `gather_rows`: kept gate row j and down row j side by side, FloE's compact transfer layout.
@@ -99,15 +101,20 @@ def _masked_gate_up_kernel(x_ptr, wg_ptr, a_ptr, m_ptr, h_ptr, F, stride_wg, H: 
 
 
 @triton.jit
-def _masked_down_kernel(h_ptr, wd_ptr, m_ptr, y_ptr, F, H, stride_wd, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)  # (BLOCK_F,) neurons j
+def _masked_down_kernel(h_ptr, wd_ptr, m_ptr, y_ptr, F, H, stride_wd, BLOCK_F: tl.constexpr, BLOCK_H: tl.constexpr,
+                        ITERS_F: tl.constexpr):
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,) outputs
-    in_f, in_h = rows < F, cols < H
-    keep = (tl.load(m_ptr + rows, mask=in_f, other=0) != 0) & in_f
-    hv = tl.load(h_ptr + rows, mask=keep, other=0.0).to(tl.float32)
-    w = tl.load(wd_ptr + rows[:, None] * stride_wd + cols[None, :], mask=keep[:, None] & in_h[None, :],
-                other=0.0).to(tl.float32)  # (BLOCK_F, BLOCK_H)
-    tl.atomic_add(y_ptr + cols, tl.sum(w * hv[:, None], axis=0), mask=in_h)  # partial sum over this row block
+    in_h = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for i in range(ITERS_F):  # ITERS_F row blocks summed here: one atomic add per output for all of them
+        rows = (tl.program_id(0) * ITERS_F + i) * BLOCK_F + tl.arange(0, BLOCK_F)  # (BLOCK_F,) neurons j
+        in_f = rows < F
+        keep = (tl.load(m_ptr + rows, mask=in_f, other=0) != 0) & in_f
+        hv = tl.load(h_ptr + rows, mask=keep, other=0.0).to(tl.float32)
+        w = tl.load(wd_ptr + rows[:, None] * stride_wd + cols[None, :], mask=keep[:, None] & in_h[None, :],
+                    other=0.0).to(tl.float32)  # (BLOCK_F, BLOCK_H)
+        acc += tl.sum(w * hv[:, None], axis=0)
+    tl.atomic_add(y_ptr + cols, acc, mask=in_h)  # this program's partial sum over its rows
 
 
 @triton.jit
@@ -121,33 +128,50 @@ def _int2_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, idx_ptr, N, stride_q, s
         w_rows = rows.to(tl.int64)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)  # (BLOCK_K,) inputs k
-        in_k = cols < K
-        m2 = in_n[:, None] & in_k[None, :]
-        xv = tl.load(x_ptr + cols, mask=in_k, other=0.0).to(tl.float32)
-        byte = tl.load(q_ptr + w_rows[:, None] * stride_q + (cols // 4)[None, :], mask=m2, other=0).to(tl.int32)
-        q = ((byte >> ((cols % 4) * 2)[None, :]) & 3).to(tl.float32)  # (BLOCK_N, BLOCK_K) codes
+        # each packed byte loaded once (BLOCK_K // 4 contiguous bytes a row: wide loads), its four codes
+        # (code i in bits 2i, 2i + 1) multiplied with the four inputs 4b + i they belong to
+        b = k0 // 4 + tl.arange(0, BLOCK_K // 4)  # (BB,) byte columns
+        if K % BLOCK_K == 0:  # no column mask: a mask constant along the row lets the bytes load as vectors
+            byte = tl.load(q_ptr + w_rows[:, None] * stride_q + b[None, :], mask=in_n[:, None], other=0)
+        else:
+            byte = tl.load(q_ptr + w_rows[:, None] * stride_q + b[None, :],
+                           mask=in_n[:, None] & (b * 4 < K)[None, :], other=0)
+        byte = byte.to(tl.int32)  # (BLOCK_N, BB)
+        cols = k0 + tl.arange(0, BLOCK_K)  # x loaded contiguously, 0 past K (a ragged last byte's padding codes
+        xv = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)  # add nothing), then split into
+        x02, x13 = tl.split(tl.reshape(xv, (BLOCK_K // 4, 2, 2)))  # x[4b + i], i = 0..3: (BB, 2) = [x[4b], x[4b + 2]]
+        x0, x2 = tl.split(x02)  # and [x[4b + 1], x[4b + 3]]
+        x1, x3 = tl.split(x13)
+        q0, q1 = (byte & 3).to(tl.float32), ((byte >> 2) & 3).to(tl.float32)
+        q2, q3 = ((byte >> 4) & 3).to(tl.float32), ((byte >> 6) & 3).to(tl.float32)
         # Σ_k (q − z_g) s_g x_k = Σ_g s_g (Σ_{k∈g} q x − z_g Σ_{k∈g} x): scale and zero (fp16 or fp32, read as they
         # are) loaded once per group, not per weight, where a chunk holds whole groups or lies inside one
-        if BLOCK_K % GROUP == 0:
+        if BLOCK_K % GROUP == 0 and GROUP % 4 == 0:
+            qx = q0 * x0[None, :] + q1 * x1[None, :] + q2 * x2[None, :] + q3 * x3[None, :]  # (BLOCK_N, BB)
             gi = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # (NG,) the chunk's groups
             g2 = in_n[:, None] & (gi * GROUP < K)[None, :]
             g = w_rows[:, None] * stride_s + gi[None, :]
             s = tl.load(s_ptr + g, mask=g2, other=0.0).to(tl.float32)  # (BLOCK_N, NG)
             z = tl.load(z_ptr + g, mask=g2, other=0.0).to(tl.float32)
-            qx = tl.sum(tl.reshape(q * xv[None, :], (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2)  # (BLOCK_N, NG)
-            xs = tl.sum(tl.reshape(xv, (BLOCK_K // GROUP, GROUP)), axis=1)  # (NG,)
-            acc += tl.sum(s * (qx - z * xs[None, :]), axis=1)
+            qxg = tl.sum(tl.reshape(qx, (BLOCK_N, BLOCK_K // GROUP, GROUP // 4)), axis=2)  # (BLOCK_N, NG)
+            xs = tl.sum(tl.reshape(x0 + x1 + x2 + x3, (BLOCK_K // GROUP, GROUP // 4)), axis=1)  # (NG,)
+            acc += tl.sum(s * (qxg - z * xs[None, :]), axis=1)
         elif GROUP % BLOCK_K == 0:
             g = w_rows * stride_s + k0 // GROUP
             s = tl.load(s_ptr + g, mask=in_n, other=0.0).to(tl.float32)  # (BLOCK_N,)
             z = tl.load(z_ptr + g, mask=in_n, other=0.0).to(tl.float32)
-            acc += s * (tl.sum(q * xv[None, :], axis=1) - z * tl.sum(xv, axis=0))
+            qx = q0 * x0[None, :] + q1 * x1[None, :] + q2 * x2[None, :] + q3 * x3[None, :]
+            acc += s * (tl.sum(qx, axis=1) - z * tl.sum(x0 + x1 + x2 + x3, axis=0))
         else:  # a group size that neither divides nor is divided by the chunk: scale and zero per weight
-            g = w_rows[:, None] * stride_s + (cols // GROUP)[None, :]
-            s = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
-            acc += tl.sum((q - z) * s * xv[None, :], axis=1)
+            for i in tl.static_range(4):
+                qi = q0 if i == 0 else (q1 if i == 1 else (q2 if i == 2 else q3))
+                xi = x0 if i == 0 else (x1 if i == 1 else (x2 if i == 2 else x3))
+                col = 4 * b + i
+                m2 = in_n[:, None] & (col < K)[None, :]
+                g = w_rows[:, None] * stride_s + (col // GROUP)[None, :]
+                s = tl.load(s_ptr + g, mask=m2, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g, mask=m2, other=0.0).to(tl.float32)
+                acc += tl.sum((qi - z) * s * xi[None, :], axis=1)
     tl.store(y_ptr + rows, acc, mask=in_n)
 
 
@@ -161,23 +185,24 @@ def _gather_rows_kernel(wg_ptr, wd_ptr, idx_ptr, out_ptr, H, stride_wg, stride_w
     tl.store(out_ptr + (i * 2 + 1) * H + cols, tl.load(wd_ptr + j * stride_wd + cols, mask=in_h), mask=in_h)
 
 
-_FIXED = {"gate_up": {"BLOCK_F": 16, "BLOCK_H": 64}, "down": {"BLOCK_F": 32, "BLOCK_H": 64},
+_FIXED = {"gate_up": {"BLOCK_F": 16, "BLOCK_H": 64}, "down": {"BLOCK_F": 32, "BLOCK_H": 64, "ITERS_F": 2},
           "int2": {"BLOCK_N": 16, "BLOCK_K": 64}}
 
 
 @functools.cache
 def _tuned(name: str):
-    """`@triton.autotune` wrapper of one kernel, built on first use (never at import: the interpreter rejects it)."""
+    """`@triton.autotune` wrapper of one kernel, built on first use (never at import: the interpreter rejects it).
+    Six to eight configs each (54 in all before 2026-12-04: tuning them was most of notebook 05's CUDA run), chosen
+    without GPU timings; `lab.kernels.floe_bench.bench` records the ones picked."""
     C = triton.Config
     if name == "gate_up":
-        cfg = [C({"BLOCK_F": f, "BLOCK_H": h}, num_warps=w) for f in (8, 16, 32) for h in (128, 256, 512)
-               for w in (4, 8)]
+        cfg = [C({"BLOCK_F": f, "BLOCK_H": h}, num_warps=4) for f in (8, 16, 32) for h in (256, 512)]
         return triton.autotune(cfg, key=["F", "H"])(_masked_gate_up_kernel)
     if name == "down":
-        cfg = [C({"BLOCK_F": f, "BLOCK_H": h}, num_warps=w) for f in (32, 64, 128) for h in (64, 128, 256)
-               for w in (4, 8)]
+        cfg = [C({"BLOCK_F": f, "BLOCK_H": h, "ITERS_F": i}, num_warps=4) for f in (32, 64) for h in (128, 256)
+               for i in (1, 4)]
         return triton.autotune(cfg, key=["F", "H"], reset_to_zero=["y_ptr"])(_masked_down_kernel)
-    cfg = [C({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n in (8, 16, 32) for k in (128, 256, 512) for w in (4, 8)]
+    cfg = [C({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4) for n in (8, 16, 32) for k in (256, 512)]
     return triton.autotune(cfg, key=["N", "K"])(_int2_gemv_kernel)
 
 
@@ -227,7 +252,7 @@ def masked_down(h: Tensor, w_down_t: Tensor, mask: Tensor, *, autotune: bool = F
     n_ff, n_h = w_down_t.shape
     h, w_down_t, m = h.contiguous(), _rows(w_down_t), mask.contiguous().view(torch.uint8)
     y = torch.zeros(n_h, dtype=torch.float32, device=h.device)  # atomic_add target
-    grid = lambda meta: (triton.cdiv(n_ff, meta["BLOCK_F"]), triton.cdiv(n_h, meta["BLOCK_H"]))
+    grid = lambda meta: (triton.cdiv(n_ff, meta["BLOCK_F"] * meta["ITERS_F"]), triton.cdiv(n_h, meta["BLOCK_H"]))
     _launch("down", _masked_down_kernel, grid, autotune, h, w_down_t, m, y, n_ff, n_h, w_down_t.stride(0))
     return y
 

@@ -75,4 +75,8 @@ def bench(n_hidden: int = 4096, n_ff: int = 14336, keep: tuple[float, ...] = (0.
     out["int2_ref_ms"] = _ms(lambda: int2_gemv_ref(x, packed, scale, zero, group_size, n_hidden))
     out["int2_ms"] = _ms(lambda: int2_gemv(x, packed, scale, zero, group_size, n_hidden, autotune=autotune))
     out["int2_speedup"] = out["up_dense_ms"] / out["int2_ms"]
+    if autotune:  # the config each tuned kernel picked for the last shape it ran (`triton.autotune.best_config`)
+        from lab.kernels.floe import _tuned
+
+        out["configs"] = {name: str(_tuned(name).best_config) for name in ("gate_up", "down", "int2")}
     return out

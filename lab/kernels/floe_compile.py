@@ -6,7 +6,9 @@ as `triton/tools/compile.py` does). The interpreter that runs the kernels on CPU
 numpy and never lowers them, so this is the check that the kernels compile, at the argument types the entry points
 pass and the specialisation a real launch gets (16-byte-aligned pointers and integers divisible by 16 carry Triton's
 `tt.divisibility` hint), for the fixed configs and, with `autotune=True`, every autotuner config. From `ptxas -v` it
-records registers, spills and shared memory per kernel. It does not run anything: timings and numerics need a GPU.
+records registers, spills and shared memory per kernel, and from the PTX the global atomics and loads (vector loads
+among them: the load instructions in a thread's code, a static proxy for how wide it reads memory). It does not run
+anything: timings and numerics need a GPU.
 
 `python -m lab.kernels.floe_compile [--autotune] [--target sm_80,sm_90] [--out F.json]`; needs `TRITON_INTERPRET` unset
 or 0 (the interpreter patches `triton.language`, and then nothing lowers).
@@ -111,7 +113,9 @@ def compile_one(launch: Launch, arch: int) -> dict:
     spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
     return {**rec, "ok": True, "registers": int(regs.group(1)) if regs else None, "spill_bytes": sum(spills),
             "shared_bytes": k.metadata.shared, "ptx_lines": k.asm["ptx"].count("\n"),
-            "atomics": len(re.findall(r"\b(?:red|atom)\.global", k.asm["ptx"]))}
+            "atomics": len(re.findall(r"\b(?:red|atom)\.global", k.asm["ptx"])),
+            "global_loads": len(re.findall(r"\bld\.global\.", k.asm["ptx"])),
+            "vector_loads": len(re.findall(r"\bld\.global\.(?:\w+\.)*v[248]\.", k.asm["ptx"]))}
 
 
 def compile_all(archs=(90,), dtypes=("fp32", "fp16", "bf16"), autotune: bool = False,

@@ -72,6 +72,16 @@ def test_masked_down(expert, name):
         torch.testing.assert_close(y, h[j] * Wd[:, j], **TOL)
 
 
+@pytest.mark.parametrize("block_f,iters", [(16, 1), (16, 3), (64, 4)])
+def test_masked_down_sums_several_row_blocks_per_program(monkeypatch, expert, block_f, iters):
+    """A program sums ITERS_F row blocks before its one atomic add (the last group ragged, or a single program
+    covering all F rows): the same y as the torch reference."""
+    monkeypatch.setitem(kf._FIXED, "down", {"BLOCK_F": block_f, "BLOCK_H": 32, "ITERS_F": iters})
+    _, _, _, Wd = expert
+    mask, h = MASKS["random"], rand(FF, seed=5)
+    torch.testing.assert_close(kf.masked_down(h, Wd.T.contiguous(), mask), kf.masked_down_ref(h, Wd.T, mask), **TOL)
+
+
 def test_full_mask_is_the_dense_expert(expert):
     x, Wg, Wu, Wd = expert
     every = MASKS["all"]
@@ -129,6 +139,22 @@ def test_int2_gemv(group_size):
     assert y.dtype == torch.float32 and y.shape == (FF,)
     torch.testing.assert_close(y, W @ x, **TOL)
     torch.testing.assert_close(kf.int2_gemv_ref(x, packed, scale, zero, group_size, K), W @ x, **TOL)
+
+
+@pytest.mark.parametrize("group_size,k,block_k", [(64, 70, 128), (128, 300, 64), (24, 70, 64), (6, 70, 64),
+                                                   (2, 70, 64), (16, 301, 128)])
+def test_int2_gemv_every_group_path(monkeypatch, group_size, k, block_k):
+    """Each way the kernel applies scale and zero — whole groups in a chunk, a chunk inside one group, per weight
+    (a group that neither divides nor is divided by the chunk, or splits a packed byte) — at ragged K, against
+    dequantize-then-matmul; on all rows and on kept rows."""
+    monkeypatch.setitem(kf._FIXED, "int2", {"BLOCK_N": 16, "BLOCK_K": block_k})
+    q, packed, scale, zero = int2_weight(37, k, group_size, seed=group_size)
+    x = rand(k, seed=10)
+    idx = torch.arange(k) // group_size
+    W = (q.float() - zero[:, idx]) * scale[:, idx]
+    torch.testing.assert_close(kf.int2_gemv(x, packed, scale, zero, group_size, k), W @ x, **TOL)
+    rows = torch.tensor([36, 0, 5, 17])
+    torch.testing.assert_close(kf.int2_gemv(x, packed, scale, zero, group_size, k, rows=rows), W[rows] @ x, **TOL)
 
 
 def test_int2_gemv_reads_the_lab_quantizer_format():
@@ -318,8 +344,8 @@ def _compile(args, code=None, interpret="0"):
 def test_kernels_compile_to_cubin_for_sm80_and_sm90(tmp_path):
     """Every launch the entry points make (fixed configs; 3 model dtypes; all rows and kept rows) lowers through
     Triton and ptxas to a cubin for A100 and H100/H200, without spilling registers; the masked down kernel's
-    partial sums meet through global atomics. (`--autotune` compiles the 654 autotuner launches too: all compile, and
-    none spills; measured, 3 min.)"""
+    partial sums meet through global atomics. (`--autotune` compiles the 246 autotuner launches too: all compile, and
+    none spills; measured 2026-12-04.)"""
     out = tmp_path / "cubin.json"
     p = _compile(["--target", "sm_80,sm_90", "--out", str(out)])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -344,6 +370,19 @@ def test_the_largest_int2_tile_does_not_spill():
     recs = json.loads(p.stdout.strip().splitlines()[-1])
     assert {r["rows"] for r in recs} == {"all", "kept"}
     assert all(r["ok"] and r["spill_bytes"] == 0 for r in recs), recs
+
+
+def test_int2_codes_load_as_vectors():
+    """The INT2 GEMV reads each packed byte once, as contiguous bytes of a row: at its largest tile (32 × 512, 4 warps,
+    Mixtral's K = 4096, all rows) a thread's code has a handful of global loads, vector loads among them (the kernel
+    that loaded a byte once per code, with a column mask, had 133 loads here, 128 of them single bytes)."""
+    code = ("import json; from lab.kernels import floe_compile as fc\n"
+            "cfg = {'int2': [{'BLOCK_N': 32, 'BLOCK_K': 512, 'num_warps': 4}], 'gate_up': [], 'down': []}\n"
+            "print(json.dumps([r for r in fc.compile_all((90,), ('bf16',), cfgs=cfg) if r['kernel'] == 'int2']))")
+    p = _compile([], code)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = next(r for r in json.loads(p.stdout.strip().splitlines()[-1]) if r["rows"] == "all")
+    assert r["ok"] and r["vector_loads"] >= 2 and r["global_loads"] <= 16, r
 
 
 def test_a_kernel_that_cannot_lower_is_reported_not_passed():
