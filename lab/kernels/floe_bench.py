@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.kernels.floe import int2_gemv, int2_gemv_ref, masked_down, masked_gate_up, pack_int2, sparse_expert
+from lab.kernels.int2 import int2_expert
 
 
 def _ms(fn, warmup: int = 10, reps: int = 50) -> float:
@@ -32,6 +33,13 @@ def _ms(fn, warmup: int = 10, reps: int = 50) -> float:
     return statistics.median(times)
 
 
+def _dequant_expert(x, mats, group_size: int):
+    from lab.moe.offload_store import dequant
+
+    Wg, Wu, Wd_t = (dequant(q, s, z, group_size, x.shape[-1], x.dtype) for q, s, z in mats)
+    return (F.silu(Wg @ x) * (Wu @ x)) @ Wd_t
+
+
 def bench(n_hidden: int = 4096, n_ff: int = 14336, keep: tuple[float, ...] = (0.5, 0.3, 0.1), device: str = "cuda",
           dtype: torch.dtype = torch.float16, group_size: int = 64, autotune: bool = True) -> dict:
     """Kernel timings at Mixtral's expert shape with the same work on both sides (median ms, CUDA events).
@@ -43,7 +51,9 @@ def bench(n_hidden: int = 4096, n_ff: int = 14336, keep: tuple[float, ...] = (0.
     - `compact[keep]`: what the engine runs per expert once its rows have arrived: `sparse_expert` on the keep·F
       transferred rows (a_up on the kept INT2 rows only, strided (n, 2, H) buffer);
     - `int2_ms` vs `up_dense_ms`: the INT2 GEMV against a dense FP16 GEMV of the same W_up (`int2_speedup`);
-      `int2_ref_ms` the torch dequantize-then-matmul reference, for information."""
+      `int2_ref_ms` the torch dequantize-then-matmul reference, for information;
+    - `int2_expert_ms` vs `int2_expert_dequant_ms`: a whole INT2 expert from its codes (`lab.kernels.int2`) vs
+      dequantized whole first, the torch path (the baselines' INT2 experts; W_up's codes stand in for all three)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     r = lambda *s: (torch.randn(*s, generator=gen) / math.sqrt(s[-1])).to(device, dtype)
     x, Wg, Wu, Wd = r(n_hidden), r(n_ff, n_hidden), r(n_ff, n_hidden), r(n_hidden, n_ff)  # transformers' layout
@@ -75,8 +85,15 @@ def bench(n_hidden: int = 4096, n_ff: int = 14336, keep: tuple[float, ...] = (0.
     out["int2_ref_ms"] = _ms(lambda: int2_gemv_ref(x, packed, scale, zero, group_size, n_hidden))
     out["int2_ms"] = _ms(lambda: int2_gemv(x, packed, scale, zero, group_size, n_hidden, autotune=autotune))
     out["int2_speedup"] = out["up_dense_ms"] / out["int2_ms"]
+    # a whole HQQ INT2 expert (the INT2 and Mixtral-offloading policies): from its codes vs dequantized whole (the
+    # engine's torch path: FP32 temporaries of each matrix) then the dense expert
+    mats = ((packed, scale, zero),) * 3
+    out["int2_expert_ms"] = _ms(lambda: int2_expert(x, mats, group_size, autotune=autotune))
+    out["int2_expert_dequant_ms"] = _ms(lambda: _dequant_expert(x, mats, group_size))
     if autotune:  # the config each tuned kernel picked for the last shape it ran (`triton.autotune.best_config`)
         from lab.kernels.floe import _tuned
+        from lab.kernels.int2 import _tuned as _tuned_down
 
         out["configs"] = {name: str(_tuned(name).best_config) for name in ("gate_up", "down", "int2")}
+        out["configs"]["int2_down"] = str(_tuned_down().best_config)
     return out

@@ -1,4 +1,5 @@
-"""FloE's Triton kernels (`lab.kernels.floe`) compiled ahead of time for NVIDIA GPUs, on a machine without one.
+"""The offload engine's Triton kernels (`lab.kernels.floe`, `lab.kernels.int2`) compiled ahead of time for NVIDIA
+GPUs, on a machine without one.
 
 Triton lowers a `@triton.jit` function through TTIR, TTGIR, LLVM IR and PTX to a cubin with `ptxas`, which ships in
 the triton wheel; none of it needs a device (`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`,
@@ -47,7 +48,8 @@ def launches(dtype: str, configs: dict[str, list[dict]]) -> list[Launch]:
     """What `sparse_expert`, `masked_*`, `int2_gemv` and `gather_rows` launch for a model in `dtype`: x in the model's
     dtype, transferred rows in the store dtype (strided views with row stride 2H), INT2 codes uint8, scale/zero fp16,
     the kept-neuron indices int64 (or the uint8 codes as a dummy pointer when every row is computed), fp32 outputs.
-    Each kernel over all F rows of an expert ("all") and over the kept rows of FloE's transfer buffer ("kept")."""
+    Each kernel over all F rows of an expert ("all") and over the kept rows of FloE's transfer buffer ("kept"); and
+    `int2_expert`'s launches for whole INT2 experts ("g64": HQQ INT2, "g16": Mixtral-offloading's)."""
     H, Fn, n, gs = SHAPE["H"], SHAPE["F"], SHAPE["keep"], SHAPE["group"]
     x, w, f32, u8 = f"*{dtype}", f"*{STORE[dtype]}", "*fp32", "*u8"
     out = []
@@ -66,6 +68,18 @@ def launches(dtype: str, configs: dict[str, list[dict]]) -> list[Launch]:
             out.append(_launch("int2", dtype, ptrs, ints, {"K": H, "GROUP": gs, "HAS_IDX": rows == "kept"}, c, tag))
     ptrs = {"wg_ptr": w, "wd_ptr": w, "idx_ptr": "*i64", "out_ptr": w}
     out.append(_launch("gather", dtype, ptrs, {"H": H, "stride_wg": H, "stride_wd": H}, {}, {"BLOCK_H": 64}, {}))
+    # whole INT2 experts (`lab.kernels.int2`): the gate/up GEMVs and the down kernel, HQQ INT2 (group 64, fp16
+    # scale/zero) and Mixtral-offloading's (group 16, scale/zero dequantized from their 8-bit codes to fp32)
+    for meta, g in (("*fp16", gs), ("*fp32", 16)):
+        tag = {"rows": f"g{g}"}
+        for c in configs["int2"] if g != gs else []:  # HQQ INT2's gate/up GEMV is FloE's "all" launch
+            ptrs = {"x_ptr": x, "q_ptr": u8, "s_ptr": meta, "z_ptr": meta, "y_ptr": f32, "idx_ptr": u8}
+            ints = {"N": Fn, "stride_q": H // 4, "stride_s": H // g}
+            out.append(_launch("int2", dtype, ptrs, ints, {"K": H, "GROUP": g, "HAS_IDX": False}, c, tag))
+        for c in configs.get("int2_down", []):
+            ptrs = {"h_ptr": f32, "q_ptr": u8, "s_ptr": meta, "z_ptr": meta, "y_ptr": f32}
+            ints = {"N": Fn, "stride_q": H // 4, "stride_s": H // g}
+            out.append(_launch("int2_down", dtype, ptrs, ints, {"K": H, "GROUP": g}, c, tag))
     return out
 
 
@@ -78,11 +92,13 @@ def _launch(kernel: str, dtype: str, ptrs: dict, ints: dict, const: dict, cfg: d
 def configs(autotune: bool) -> dict[str, list[dict]]:
     """The fixed configs the entry points launch, or every config of their `@triton.autotune` wrappers."""
     from lab.kernels import floe as kf
+    from lab.kernels import int2 as ki
 
     if not autotune:
-        return {name: [dict(cfg)] for name, cfg in kf._FIXED.items()}
+        return {name: [dict(cfg)] for name, cfg in kf._FIXED.items()} | {"int2_down": [dict(ki._FIXED)]}
     return {name: [{**c.kwargs, "num_warps": c.num_warps} for c in kf._tuned(name).configs]
-            for name in ("gate_up", "down", "int2")}
+            for name in ("gate_up", "down", "int2")} | {
+        "int2_down": [{**c.kwargs, "num_warps": c.num_warps} for c in ki._tuned().configs]}
 
 
 def compile_one(launch: Launch, arch: int) -> dict:
@@ -92,9 +108,10 @@ def compile_one(launch: Launch, arch: int) -> dict:
     from triton.compiler import ASTSource
 
     from lab.kernels import floe as kf
+    from lab.kernels import int2 as ki
 
     fn = {"gate_up": kf._masked_gate_up_kernel, "down": kf._masked_down_kernel, "int2": kf._int2_gemv_kernel,
-          "gather": kf._gather_rows_kernel}[launch.kernel]
+          "gather": kf._gather_rows_kernel, "int2_down": ki._int2_down_kernel}[launch.kernel]
     sig = {name: ("constexpr" if name in launch.const else launch.args[name][0]) for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in launch.args
              and (launch.args[name][0].startswith("*") or launch.args[name][1] % 16 == 0)}
@@ -160,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in recs:
         status = (f"{r['registers']:>3} regs, {r['spill_bytes']:>5} B spilled, {r['shared_bytes']:>6} B shared"
                   if r["ok"] else r["error"])
-        print(f"{r['arch']} {r['kernel']:>7} {r['dtype']:>4} {r.get('rows', ''):>4} {r['config']}: {status}")
+        print(f"{r['arch']} {r['kernel']:>9} {r['dtype']:>4} {r.get('rows', ''):>4} {r['config']}: {status}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(recs, f, indent=1)

@@ -41,7 +41,8 @@ live only in the host tier (pinned on CUDA, `link.to_host`); the device tier `de
 keeps there: INT2 W_up and FloE's two buffers, cache slots and buffers, staging slots, and resident layers (`fp`
 form). Layer 0, when resident, runs on the model's own weights for every policy and is not counted.
 `Stats.resident_bytes` is the sum of the bytes of the tensors in `dev`. Everything is computed in the model's dtype
-(FP32, FP16 or BF16): held forms are decoded to it (INT2 dequantized in FP32, as the kernels accumulate).
+(FP32, FP16 or BF16): held forms are decoded to it (INT2 dequantized in FP32, as the kernels accumulate); with the
+kernels (CUDA) INT2 and Mixtral-offloading experts are computed from their codes (`lab.kernels.int2`) instead.
 The attention of each layer is timed by hooks around the model's own attention; time and copies are the link's
 (`lab.moe.links`). The policies' layer logic is `lab.moe.offload_policies`. On CPU (the simulator) the forms built
 from a model are memoised per experts module and weights version, as a notebook builds an engine per policy,

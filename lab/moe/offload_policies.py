@@ -4,7 +4,8 @@ Every step goes through the engine's link with its dependencies explicit: a copy
 routing (`link.mark()` at issue), a FloE gather after the prediction that chose its rows, every copy after the last
 compute that read its destination, every compute after the copies it reads (`link.wait`). Experts are computed in
 the model's dtype from the forms the engine holds; on CUDA (`engine.kernels`) FloE's INT2 GEMV and masked sparse
-kernels (`lab.kernels.floe`) run in place of the torch reference path used on CPU. `plan` gives each cached policy's
+kernels (`lab.kernels.floe`), and for whole INT2 experts `lab.kernels.int2`, run in place of the torch reference path
+used on CPU. `plan` gives each cached policy's
 arguments under one device budget.
 """
 
@@ -37,10 +38,16 @@ def _dense(x: Tensor, Wg: Tensor, Wu: Tensor, Wd_t: Tensor) -> Tensor:
 
 
 def _run(eng, l: int, x: Tensor, place: str, what: str, e: int | None = None) -> Tensor:
-    """A whole expert held at `place` (an `fp`, `int2` or `mo` form; `e` picks it from a streamed layer)."""
+    """A whole expert held at `place` (an `fp`, `int2` or `mo` form; `e` picks it from a streamed layer). With the
+    kernels, INT2 experts are computed from their codes (`lab.kernels.int2`), never dequantized whole."""
     form = eng.dev[place] if e is None else {"w": eng.dev[place]["w"][e]}
-    out = eng.link.compute(l, st.nbytes(form), lambda: _dense(x, *st.decode(form, eng.F, eng.H, eng.dtype, eng.gs)),
-                           what)
+    if eng.kernels and "w" not in form:
+        from lab.kernels.int2 import int2_expert
+
+        fn = lambda: int2_expert(x[0], *st.int2_parts(form, eng.F, eng.H, eng.gs))[None]
+    else:
+        fn = lambda: _dense(x, *st.decode(form, eng.F, eng.H, eng.dtype, eng.gs))
+    out = eng.link.compute(l, st.nbytes(form), fn, what)
     eng.free[place] = eng.link.mark()
     return out
 

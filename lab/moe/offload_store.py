@@ -182,21 +182,29 @@ def _views(block: Tensor, layout: Layout) -> dict[str, Tensor]:
     return views
 
 
-def decode(form: Form, F: int, H: int, dtype: torch.dtype, group_size: int = 64) -> tuple[Tensor, Tensor, Tensor]:
-    """W_gate, W_up, W_downᵀ (each (F, H)) of one expert's form, in `dtype`."""
-    if "w" in form:
-        return tuple(form["w"].to(dtype))
+def int2_parts(form: Form, F: int, H: int, group_size: int = 64) -> tuple[tuple, int]:
+    """An `int2` or `mo` expert as ((codes, scale, zero) of W_gate, W_up, W_downᵀ), each (F, H) packed along H, and
+    the group size: views into the block, except Mixtral-offloading's scale and zero, decoded from their 8-bit codes
+    to FP32 (F, H/16 each: small)."""
     if "mo" in form:
         v = _views(form["mo"], mo_layout(F, H))
-        out = []
+        parts = []
         for m in range(3):
             G = v[f"sq{m}"].shape[1]
             s = _dq8(v[f"sq{m}"].flatten(), v[f"ss{m}"], v[f"sz{m}"], MO_META_GROUP, (F, G))
             z = _dq8(v[f"zq{m}"].flatten(), v[f"zs{m}"], v[f"zz{m}"], None, (F, G))
-            out.append(dequant(v[f"q{m}"], s, z, MO_GROUP, H, dtype))
-        return tuple(out)
+            parts.append((v[f"q{m}"], s, z))
+        return tuple(parts), MO_GROUP
     v = _views(form["int2"], int2_layout(F, H, group_size))
-    return tuple(dequant(v[f"q{m}"], v[f"s{m}"], v[f"z{m}"], group_size, H, dtype) for m in range(3))
+    return tuple((v[f"q{m}"], v[f"s{m}"], v[f"z{m}"]) for m in range(3)), group_size
+
+
+def decode(form: Form, F: int, H: int, dtype: torch.dtype, group_size: int = 64) -> tuple[Tensor, Tensor, Tensor]:
+    """W_gate, W_up, W_downᵀ (each (F, H)) of one expert's form, in `dtype`."""
+    if "w" in form:
+        return tuple(form["w"].to(dtype))
+    parts, g = int2_parts(form, F, H, group_size)
+    return tuple(dequant(q, s, z, g, H, dtype) for q, s, z in parts)
 
 
 def rows_buffer(top_k: int, n_keep: int, H: int, wd: torch.dtype, device) -> Form:
