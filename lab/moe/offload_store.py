@@ -126,14 +126,15 @@ def int2_layout(F: int, H: int, group_size: int) -> Layout:
 
 
 def mo_layout(F: int, H: int) -> Layout:
-    """The pieces of a Mixtral-offloading expert block."""
+    """The pieces of a Mixtral-offloading expert block: the three matrices' codes first (at Mixtral's shape each
+    starts 16-byte aligned, so the kernels read them with vector loads), then their 8-bit meta codes, the meta's FP16
+    scale/zero, and last the 2-byte ones."""
     G, GM = math.ceil(H / MO_GROUP), math.ceil(F * math.ceil(H / MO_GROUP) / MO_META_GROUP)
-    pieces = []
+    pieces = [(f"q{m}", (F, math.ceil(H / 4)), torch.uint8) for m in range(3)]
     for m in range(3):
-        pieces += [(f"q{m}", (F, math.ceil(H / 4)), torch.uint8), (f"sq{m}", (F, G), torch.uint8),
-                   (f"zq{m}", (F, G), torch.uint8), (f"ss{m}", (GM, 1), torch.float16),
-                   (f"sz{m}", (GM, 1), torch.float16), (f"zs{m}", (1, 1), torch.float16),
-                   (f"zz{m}", (1, 1), torch.float16)]
+        pieces += [(f"sq{m}", (F, G), torch.uint8), (f"zq{m}", (F, G), torch.uint8),
+                   (f"ss{m}", (GM, 1), torch.float16), (f"sz{m}", (GM, 1), torch.float16)]
+    pieces += [(f"{k}{m}", (1, 1), torch.float16) for m in range(3) for k in ("zs", "zz")]
     return _layout(pieces)
 
 
