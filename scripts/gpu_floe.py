@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lab.models.sample import cached_step
 from lab.models.zoo import tiny_mixtral
 from lab.moe.blocks import moe_blocks
-from lab.moe.links import CudaLink, SimLink, TimeModel, gather_bandwidth, h2d_bandwidth
+from lab.moe.links import CudaLink, SimLink, TimeModel, default_gather_threads, gather_bandwidth, h2d_bandwidth
 from lab.moe.offload import OffloadEngine
 
 # FloE first, whole-layer streaming (the slowest) last: a run cut by --budget leaves out the least informative
@@ -151,7 +151,7 @@ def main() -> int:
           + ", ".join(f"{k} {v:.3f}" for k, v in refs.items())
           + f"; cached decode routes {ref_flips} of {dense_routes[..., 0].numel()} (layer, token) pairs differently; "
           f"smallest router margin p_k − p_k+1 {margin:.2e}", flush=True)
-    threads = 2 if args.smoke else CudaLink().gather_threads
+    threads = 2 if args.smoke else default_gather_threads()
     gb = (lambda **kw: gather_bandwidth(H=64, F=256, **kw)) if args.smoke else gather_bandwidth
     gather = {1: gb(), threads: gb(threads=threads)}
     print("host row gather (keep 0.2 of a Mixtral expert's FP16 gate/down rows): "

@@ -239,7 +239,7 @@ def cuda_timings() -> tuple[dict, dict]:
     and on `CudaLink`'s gather threads (`links.gather_bandwidth`, what the simulator's `TimeModel.host` models)."""
     from lab.kernels.floe_bench import bench as kernel_bench
 
-    n = links.CudaLink().gather_threads
+    n = links.default_gather_threads()
     return kernel_bench(), links.h2d_bandwidth() | {"host_gather_one_thread": links.gather_bandwidth(),
                                                     f"host_gather_{n}_threads": links.gather_bandwidth(threads=n)}
 

@@ -83,11 +83,16 @@ def intra_op_threads(n: int):
         torch.set_num_threads(was)
 
 
+def default_gather_threads() -> int:
+    """`CudaLink`'s default threads per host row gather: the machine's cores, at most 8."""
+    return min(8, os.cpu_count() or 1)
+
+
 def row_gather(host: Tensor, idx: Tensor, out: Tensor, threads: int = 1) -> Tensor:
     """host[idx] into `out` with `threads` CPU threads (torch's `index_select`, which splits the rows among its
-    intra-op threads; FloE packs rows with several threads, Sec. 3.4.2): what both links' gathers run. The lab sets
-    torch to one thread at smoke scale (two notebooks side by side on two cores), so the thread count is explicit.
-    `CudaLink.gather` runs it; `SimLink` models its time (`TimeModel.host`)."""
+    intra-op threads; FloE packs rows with several threads, Sec. 3.4.2). `CudaLink.gather` runs it; `SimLink` models
+    its time (`TimeModel.host`). The lab sets torch to one thread at smoke scale (two notebooks side by side on two
+    cores), so the count is explicit here."""
     with intra_op_threads(threads):
         return torch.index_select(host, 0, idx, out=out)
 
@@ -156,7 +161,7 @@ class CudaLink(SimLink):
 
     def __init__(self, device: str = "cuda", gather_threads: int | None = None):
         super().__init__(TimeModel())
-        self.gather_threads = gather_threads or min(8, os.cpu_count() or 1)
+        self.gather_threads = gather_threads or default_gather_threads()
         self.device, self.stream = device, torch.cuda.Stream(device)
         self.index_stream = torch.cuda.Stream(device)  # device->host index copies, behind nothing but a prediction
         torch.cuda.synchronize()
@@ -303,7 +308,7 @@ def h2d_bandwidth(H: int = 4096, n_rows: tuple[int, ...] = (1, 10, 50, 200, 1000
 def gather_bandwidth(H: int = 4096, F: int = 14336, keep: float = 0.2, reps: int = 5, seed: int = 0,
                      threads: int = 1) -> float:
     """Host GB/s of `threads` CPU threads gathering keep·F random (2, H) FP16 rows of an (F, 2, H) store into a
-    staging buffer (`row_gather`, what both links run): the measured counterpart of `TimeModel.host`."""
+    staging buffer (`row_gather`, what `CudaLink` runs): the measured counterpart of `TimeModel.host`."""
     g = torch.Generator().manual_seed(seed)
     src = torch.randn(F, 2, H, generator=g).half()
     idx = torch.randperm(F, generator=g)[: max(1, round(keep * F))].sort().values

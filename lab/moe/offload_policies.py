@@ -5,8 +5,7 @@ routing (`link.mark()` at issue), a FloE gather after the prediction that chose 
 compute that read its destination, every compute after the copies it reads (`link.wait`). Experts are computed in
 the model's dtype from the forms the engine holds; on CUDA (`engine.kernels`) FloE's INT2 GEMV and masked sparse
 kernels (`lab.kernels.floe`), and for whole INT2 experts `lab.kernels.int2`, run in place of the torch reference path
-used on CPU. `plan` gives each cached policy's
-arguments under one device budget.
+used on CPU. `plan` gives each cached policy's arguments under one device budget.
 """
 
 from __future__ import annotations
