@@ -43,8 +43,8 @@ p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
 print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
       f"{'GPU ' + p.name + f' {p.total_memory / 2**30:.0f} GiB' if p else 'no GPU'}")
 PY
-step pytest 120 $PY -m pytest -m gpu -q -rsx -p no:cacheprovider tests/kernels/test_floe.py tests/kernels/test_int2.py tests/moe/test_links.py
-step engine 150 $PY scripts/gpu_floe.py --budget 90 --out "$OUT/floe_engine.json"
+step pytest 110 $PY -m pytest -m gpu -q -rsx -p no:cacheprovider tests/kernels/test_floe.py tests/kernels/test_int2.py tests/moe/test_links.py
+step engine 160 $PY scripts/gpu_floe.py --budget 100 --out "$OUT/floe_engine.json"
 rm -rf /tmp/device-nb
 step nb05 200 $PY -m lab run 05_floe -p device cuda --out /tmp/device-nb --no-page
 cp /tmp/device-nb/05_floe.json "$OUT/nb05_record.json" 2>/dev/null
