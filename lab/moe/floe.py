@@ -88,6 +88,7 @@ class Config:
     whole_experts: bool = False  # True under the `whole_experts` control: the engine's FloE moves every row (keep 1)
     n_decode: int = 1  # sequences decoded by the offload engine
     bandwidths: tuple[float, ...] = (6, 25, 100)  # GB/s of the bandwidth sweep
+    host_gbps: tuple[float, ...] = (5, 10, 25, 50)  # GB/s of the host row-gather sweep (simulator default 25)
     budgets_kb: tuple[float, ...] = (70, 140, 280, 700, 1400)  # device memory for experts beyond layer 0
 
     @classmethod

@@ -3,7 +3,8 @@ baseline sized to FloE's device memory, and `Decoder`, which decodes held-out se
 bytes/token, tokens/s (modelled on CPU by the device-tier simulator, measured with CUDA events on a GPU), misses,
 loss, one token's timeline, the engine's device bytes and, on CUDA, `torch.cuda.max_memory_allocated` beside the
 planned bytes. Simulated decodes are cached stages (deterministic); CUDA decodes always run (their times are
-measurements). The sweeps over PCIe bandwidth and device budget are modelled on any device (`Decoder.modelled`)."""
+measurements). The sweeps over PCIe bandwidth, host row-gather bandwidth and device budget are modelled on any
+device (`Decoder.modelled`)."""
 
 from __future__ import annotations
 
@@ -61,24 +62,29 @@ class Decoder:
     predictor: str = "router"  # "random" under FloE's `random_predictor` control
     seed: int = 0
 
-    def link(self, gbps: float) -> SimLink:
+    def link(self, gbps: float, host: float | None = None) -> SimLink:
+        """CudaLink on a GPU; else the simulator at `gbps` PCIe and `host` GB/s of host row gather (None: the
+        TimeModel's default), Mixtral-equivalent."""
         if self.device == "cuda":
             return CudaLink()
         _, H, F_ = blocks.moe_blocks(self.model)[0].experts.down_proj.shape
-        return SimLink(TimeModel.mixtral_equivalent(H, F_, pcie=gbps * 1e9))
+        return SimLink(TimeModel.mixtral_equivalent(H, F_, pcie=gbps * 1e9, **({"host": host * 1e9} if host else {})))
 
-    def decode(self, policy: str, kw: dict, gbps: float | None = None, n: int | None = None) -> dict:
+    def decode(self, policy: str, kw: dict, gbps: float | None = None, n: int | None = None,
+               host: float | None = None) -> dict:
         """Loss, bytes/token, tokens/s, miss rate, device-resident expert bytes and the last token's spans of one
         policy over the first n sequences (all by default). Over the simulator (deterministic) a cached stage; on
         CUDA always run, as its times are measurements."""
         gbps = self.pcie_gbps if gbps is None else gbps
-        return self.run(policy, kw, gbps, n) if self.device == "cuda" else _simulated(self, policy, kw, gbps, n)
+        if self.device == "cuda":
+            return self.run(policy, kw, gbps, n)
+        return _simulated(self, policy, kw, gbps, n, host)
 
-    def run(self, policy: str, kw: dict, gbps: float, n: int | None = None) -> dict:
+    def run(self, policy: str, kw: dict, gbps: float, n: int | None = None, host: float | None = None) -> dict:
         out = {"nll": [], "bytes": [], "back": [], "sec": [], "miss": 0, "calls": 0}
         cuda = self.device == "cuda"
         for s in self.seqs[:n]:
-            eng = OffloadEngine(self.model, policy, self.link(gbps),
+            eng = OffloadEngine(self.model, policy, self.link(gbps, host),
                                 device=self.device, predictor=self.predictor, seed=self.seed, **kw)
             logits, st = eng.run(s[None])
             out["nll"].append(F.cross_entropy(logits[:-1].float(), s[1:]).item())
@@ -127,6 +133,15 @@ class Decoder:
         sim = self.modelled
         return {name: [sim.decode(p, kw, b, n=1)["tps"] for b in bandwidths] for name, (p, kw) in policies.items()}
 
+    def tps_by_host(self, policies: dict[str, tuple[str, dict]], hosts: tuple[float, ...]) -> dict:
+        """{policy: [modelled tokens/s at each host row-gather GB/s]}, one sequence, at the notebook's PCIe bandwidth
+        (over the simulator, also on CUDA). Only FloE gathers rows on the host; the others are decoded once."""
+        sim, out = self.modelled, {}
+        for name, (p, kw) in policies.items():
+            out[name] = ([sim.decode(p, kw, n=1, host=h)["tps"] for h in hosts] if p == "floe"
+                         else [sim.decode(p, kw, n=1)["tps"]] * len(hosts))
+        return out
+
     def tps_by_budget(self, budgets_kb: tuple[float, ...], keep: float) -> dict[str, list]:
         """{LRU FP16, LRU INT2, Mixtral-offloading, floe: [tokens/s under each device budget, None where it does
         not fit]}."""
@@ -142,6 +157,6 @@ BUDGETED = (("LRU FP16", "lru-fp16"), ("LRU INT2", "lru-int2"), ("Mixtral-offloa
 
 
 @stage
-def _simulated(dec: Decoder, policy: str, kw: dict, gbps: float, n: int | None) -> dict:
-    """`Decoder.run` over the simulator, cached by the model, sequences, predictor, policy and bandwidth."""
-    return dec.run(policy, kw, gbps, n)
+def _simulated(dec: Decoder, policy: str, kw: dict, gbps: float, n: int | None, host: float | None = None) -> dict:
+    """`Decoder.run` over the simulator, cached by the model, sequences, predictor, policy and bandwidths."""
+    return dec.run(policy, kw, gbps, n, host)

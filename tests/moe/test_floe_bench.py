@@ -222,3 +222,14 @@ def test_sweeps_are_modelled_on_cuda_too(model):
     assert gpu.tps_by_bandwidth(pols, (1.0, 100.0)) == cpu.tps_by_bandwidth(pols, (1.0, 100.0))
     assert {n: r["tps"] for n, r in gpu.simulate(25.0, 0.25, 1e6).items()} == \
         {n: r["tps"] for n, r in cpu.simulate(25.0, 0.25, 1e6).items()}
+
+
+def test_host_gather_sweep_moves_floe_only(model):
+    """The host row-gather bandwidth sets FloE's modelled tokens/s (slower gather, fewer tokens/s; at 25 GB/s the
+    simulator's default) and nothing else's: FP16 on demand gathers nothing on the host."""
+    seqs = torch.randint(40, (1, 6), generator=torch.Generator().manual_seed(7))
+    dec = fd.Decoder(model, seqs)
+    pols = {"fp16": ("fp16", {}), "floe": ("floe", {"keep": 0.25})}
+    by = dec.tps_by_host(pols, (0.5, 5.0, 25.0))
+    assert by["floe"][0] < by["floe"][1] < by["floe"][2] == dec.decode("floe", {"keep": 0.25}, n=1)["tps"]
+    assert by["fp16"] == [dec.decode("fp16", {}, n=1)["tps"]] * 3
