@@ -48,19 +48,27 @@ def launches(dtype: str, configs: dict[str, list[dict]]) -> list[Launch]:
     """What `sparse_expert`, `masked_*`, `int2_gemv` and `gather_rows` launch for a model in `dtype`: x in the model's
     dtype, transferred rows in the store dtype (strided views with row stride 2H), INT2 codes uint8, scale/zero fp16,
     the kept-neuron indices int64 (or the uint8 codes as a dummy pointer when every row is computed), fp32 outputs.
-    Each kernel over all F rows of an expert ("all") and over the kept rows of FloE's transfer buffer ("kept"); and
-    `int2_expert`'s launches for whole INT2 experts ("g64": HQQ INT2, "g16": Mixtral-offloading's)."""
+    Over all F rows of an expert ("all": Alg. 1 with a mask, and the INT2 GEMV that predicts neurons) and over the
+    kept rows of FloE's transfer buffer ("kept": `sparse_expert`'s fused gate·up and unmasked down, and `int2_gemv`
+    on rows); and `int2_expert`'s launches for whole INT2 experts ("g64": HQQ INT2, "g16": Mixtral-offloading's)."""
     H, Fn, n, gs = SHAPE["H"], SHAPE["F"], SHAPE["keep"], SHAPE["group"]
     x, w, f32, u8 = f"*{dtype}", f"*{STORE[dtype]}", "*fp32", "*u8"
     out = []
     for rows, n_rows, stride in (("all", Fn, H), ("kept", n, 2 * H)):
         tag = {"rows": rows}
-        for c in configs["gate_up"]:
-            ptrs = {"x_ptr": x, "wg_ptr": w, "a_ptr": f32, "m_ptr": u8, "h_ptr": f32}
-            out.append(_launch("gate_up", dtype, ptrs, {"F": n_rows, "stride_wg": stride}, {"H": H}, c, tag))
+        for c in configs["gate_up"] if rows == "all" else configs["compact"]:
+            if rows == "all":
+                ptrs = {"x_ptr": x, "wg_ptr": w, "a_ptr": f32, "m_ptr": u8, "h_ptr": f32}
+                out.append(_launch("gate_up", dtype, ptrs, {"F": n_rows, "stride_wg": stride}, {"H": H}, c, tag))
+                continue
+            ptrs = {"x_ptr": x, "r_ptr": w, "q_ptr": u8, "s_ptr": "*fp16", "z_ptr": "*fp16", "idx_ptr": "*i64",
+                    "h_ptr": f32}
+            ints = {"N": n_rows, "stride_r": stride, "stride_q": H // 4, "stride_s": H // gs}
+            out.append(_launch("compact", dtype, ptrs, ints, {"K": H, "GROUP": gs}, c, tag))
         for c in configs["down"]:
             ptrs = {"h_ptr": f32, "wd_ptr": w, "m_ptr": u8, "y_ptr": f32}
-            out.append(_launch("down", dtype, ptrs, {"F": n_rows, "H": H, "stride_wd": stride}, {}, c, tag))
+            out.append(_launch("down", dtype, ptrs, {"F": n_rows, "H": H, "stride_wd": stride},
+                               {"HAS_MASK": rows == "all"}, c, tag))
         for c in configs["int2"]:
             ptrs = {"x_ptr": x, "q_ptr": u8, "s_ptr": "*fp16", "z_ptr": "*fp16", "y_ptr": f32,
                     "idx_ptr": "*i64" if rows == "kept" else u8}
@@ -90,14 +98,17 @@ def _launch(kernel: str, dtype: str, ptrs: dict, ints: dict, const: dict, cfg: d
 
 
 def configs(autotune: bool) -> dict[str, list[dict]]:
-    """The fixed configs the entry points launch, or every config of their `@triton.autotune` wrappers."""
+    """The fixed configs the entry points launch (on CPU tensors and on CUDA ones), or every config of their
+    `@triton.autotune` wrappers."""
     from lab.kernels import floe as kf
     from lab.kernels import int2 as ki
 
     if not autotune:
-        return {name: [dict(cfg)] for name, cfg in kf._FIXED.items()} | {"int2_down": [dict(ki._FIXED)]}
+        both = lambda a, b: [dict(a)] + ([dict(b)] if b != a else [])
+        return {name: both(kf._FIXED[name], kf._CUDA[name]) for name in kf._FIXED} | {
+            "int2_down": both(ki._FIXED, ki._CUDA)}
     return {name: [{**c.kwargs, "num_warps": c.num_warps} for c in kf._tuned(name).configs]
-            for name in ("gate_up", "down", "int2")} | {
+            for name in ("gate_up", "down", "int2", "compact")} | {
         "int2_down": [{**c.kwargs, "num_warps": c.num_warps} for c in ki._tuned().configs]}
 
 
@@ -111,7 +122,8 @@ def compile_one(launch: Launch, arch: int) -> dict:
     from lab.kernels import int2 as ki
 
     fn = {"gate_up": kf._masked_gate_up_kernel, "down": kf._masked_down_kernel, "int2": kf._int2_gemv_kernel,
-          "gather": kf._gather_rows_kernel, "int2_down": ki._int2_down_kernel}[launch.kernel]
+          "compact": kf._compact_gate_up_kernel, "gather": kf._gather_rows_kernel,
+          "int2_down": ki._int2_down_kernel}[launch.kernel]
     sig = {name: ("constexpr" if name in launch.const else launch.args[name][0]) for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in launch.args
              and (launch.args[name][0].startswith("*") or launch.args[name][1] % 16 == 0)}

@@ -93,7 +93,8 @@ def _int2_down_kernel(h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, stride_q, stride_s, 
     tl.atomic_add(y_ptr + cols, out, mask=cols < K)
 
 
-_FIXED = {"BLOCK_N": 16, "BLOCK_K": 64, "ITERS_N": 2}
+_FIXED = {"BLOCK_N": 16, "BLOCK_K": 64, "ITERS_N": 2}  # CPU tensors (the interpreter), as `lab.kernels.floe._FIXED`
+_CUDA = {"BLOCK_N": 16, "BLOCK_K": 256, "ITERS_N": 4}  # CUDA tensors, as `lab.kernels.floe._CUDA` (untimed)
 
 
 @functools.cache
@@ -101,7 +102,7 @@ def _tuned():
     """`@triton.autotune` wrapper, built on first use (CUDA only)."""
     cfg = [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "ITERS_N": i}, num_warps=4) for n in (16, 32) for k in (128, 256)
            for i in (1, 4)]
-    return triton.autotune(cfg, key=["N", "K"], reset_to_zero=["y_ptr"])(_int2_down_kernel)
+    return triton.autotune(cfg, key=["N", "K", "GROUP"], reset_to_zero=["y_ptr"])(_int2_down_kernel)
 
 
 def int2_down(h: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size: int, k: int, *,
@@ -124,7 +125,7 @@ def int2_down(h: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size
                "autotune=True needs CUDA tensors and TRITON_INTERPRET unset; use the fixed config.")
         _tuned()[grid](*args)
     else:
-        _int2_down_kernel[grid](*args, **_FIXED)
+        _int2_down_kernel[grid](*args, **(_CUDA if h.is_cuda else _FIXED))
     return y
 
 
