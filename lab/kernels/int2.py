@@ -130,10 +130,10 @@ def int2_down(h: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size
 
 
 def int2_expert(x: Tensor, mats, group_size: int, *, autotune: bool = False) -> Tensor:
-    """A whole INT2 expert: mats = ((q, s, z) of W_gate, of W_up, of W_downᵀ), each (F, H) packed along H.
+    """A whole INT2 expert: mats[m] = (q, s, z) of W_gate, W_up, W_downᵀ (m = 0, 1, 2), each (F, H) packed along H,
+    indexed once each and in turn (a sequence that decodes a matrix's meta when indexed holds one at a time).
     x (H,) -> (SiLU(W_gate x) ⊙ W_up x) W_down, (H,) in x's dtype (fp32 accumulation)."""
-    (qg, sg, zg), (qu, su, zu), (qd, sd, zd) = mats
     k = x.shape[-1]
-    h = F.silu(int2_gemv(x, qg, sg, zg, group_size, k, autotune=autotune)) * int2_gemv(x, qu, su, zu, group_size, k,
-                                                                                        autotune=autotune)
-    return int2_down(h, qd, sd, zd, group_size, k, autotune=autotune).to(x.dtype)
+    h = F.silu(int2_gemv(x, *mats[0], group_size, k, autotune=autotune))
+    h = h * int2_gemv(x, *mats[1], group_size, k, autotune=autotune)
+    return int2_down(h, *mats[2], group_size, k, autotune=autotune).to(x.dtype)

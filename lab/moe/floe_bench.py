@@ -233,14 +233,15 @@ def form_fn(model: nn.Module, policy: str) -> blocks.ExpertFn:
     return fn
 
 
-def cuda_timings() -> tuple[dict, dict]:
-    """On a GPU: the Triton kernels against the dense torch expert at Mixtral's shape (ms, speedups), and pinned
+def cuda_timings(autotune: bool = True) -> tuple[dict, dict]:
+    """On a GPU: the Triton kernels against the dense torch expert at Mixtral's shape (ms, speedups; `autotune`
+    False: at the fixed tiles the engine launches, without the autotuner's compiles and trials), and pinned
     host-to-device GB/s of compact row chunks against per-row copies, with the host's row-gather GB/s on one thread
     and on `CudaLink`'s gather threads (`links.gather_bandwidth`, what the simulator's `TimeModel.host` models)."""
     from lab.kernels.floe_bench import bench as kernel_bench
 
     n = links.default_gather_threads()
-    return kernel_bench(), links.h2d_bandwidth() | {"host_gather_one_thread": links.gather_bandwidth(),
+    return kernel_bench(autotune=autotune), links.h2d_bandwidth() | {"host_gather_one_thread": links.gather_bandwidth(),
                                                     f"host_gather_{n}_threads": links.gather_bandwidth(threads=n)}
 
 

@@ -96,10 +96,13 @@ def _q8(v: Tensor, group: int | None) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _dq8(codes: Tensor, s: Tensor, z: Tensor, group: int | None, shape) -> Tensor:
+    """(codes − z) · s per group in the meta's dtype, FP16, as HQQ decodes quantized meta (`Quantizer.dequantize` of
+    `scale_q` / `zero_q` in the compute dtype) for Mixtral-offloading."""
     n = codes.numel() if group is None else group
     pad = (-codes.numel()) % n
-    c = torch.cat([codes.float(), codes[-1:].float().expand(pad)]).reshape(-1, n)
-    return ((c - z.float()) * s.float()).flatten()[: codes.numel()].reshape(shape)
+    c = codes.to(s.dtype)
+    c = (torch.cat([c, c[-1:].expand(pad)]) if pad else c).reshape(-1, n)
+    return ((c - z) * s).flatten()[: codes.numel()].reshape(shape)
 
 
 MO_GROUP, MO_META_GROUP = 16, 128
@@ -183,19 +186,31 @@ def _views(block: Tensor, layout: Layout) -> dict[str, Tensor]:
     return views
 
 
-def int2_parts(form: Form, F: int, H: int, group_size: int = 64) -> tuple[tuple, int]:
+class _MoParts:
+    """Mixtral-offloading's three matrices as (codes, scale, zero), each decoded when indexed (scale and zero from
+    their 8-bit codes to FP16, (F, H/16) each: 7 MB at Mixtral's shape), so that one matrix's meta exists at a time
+    (all three at once, in FP32, were ~90 MB per expert call on the device)."""
+
+    def __init__(self, v: dict[str, Tensor], F: int):
+        self.v, self.F = v, F
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, m: int) -> tuple[Tensor, Tensor, Tensor]:
+        if not 0 <= m < 3:
+            raise IndexError(m)
+        v, G = self.v, self.v[f"sq{m}"].shape[1]
+        s = _dq8(v[f"sq{m}"].flatten(), v[f"ss{m}"], v[f"sz{m}"], MO_META_GROUP, (self.F, G))
+        return v[f"q{m}"], s, _dq8(v[f"zq{m}"].flatten(), v[f"zs{m}"], v[f"zz{m}"], None, (self.F, G))
+
+
+def int2_parts(form: Form, F: int, H: int, group_size: int = 64) -> tuple:
     """An `int2` or `mo` expert as ((codes, scale, zero) of W_gate, W_up, W_downᵀ), each (F, H) packed along H, and
     the group size: views into the block, except Mixtral-offloading's scale and zero, decoded from their 8-bit codes
-    to FP32 (F, H/16 each: small)."""
+    when each matrix is indexed (`_MoParts`)."""
     if "mo" in form:
-        v = _views(form["mo"], mo_layout(F, H))
-        parts = []
-        for m in range(3):
-            G = v[f"sq{m}"].shape[1]
-            s = _dq8(v[f"sq{m}"].flatten(), v[f"ss{m}"], v[f"sz{m}"], MO_META_GROUP, (F, G))
-            z = _dq8(v[f"zq{m}"].flatten(), v[f"zs{m}"], v[f"zz{m}"], None, (F, G))
-            parts.append((v[f"q{m}"], s, z))
-        return tuple(parts), MO_GROUP
+        return _MoParts(_views(form["mo"], mo_layout(F, H)), F), MO_GROUP
     v = _views(form["int2"], int2_layout(F, H, group_size))
     return tuple((v[f"q{m}"], v[f"s{m}"], v[f"z{m}"]) for m in range(3)), group_size
 
@@ -205,7 +220,7 @@ def decode(form: Form, F: int, H: int, dtype: torch.dtype, group_size: int = 64)
     if "w" in form:
         return tuple(form["w"].to(dtype))
     parts, g = int2_parts(form, F, H, group_size)
-    return tuple(dequant(q, s, z, g, H, dtype) for q, s, z in parts)
+    return tuple(dequant(*parts[m], g, H, dtype) for m in range(3))
 
 
 def rows_buffer(top_k: int, n_keep: int, H: int, wd: torch.dtype, device) -> Form:

@@ -71,6 +71,22 @@ def test_int2_expert_is_the_dequantized_dense_expert(dtype):
     torch.testing.assert_close(y.float(), ref.to(dtype).float(), **tol)
 
 
+def test_int2_expert_indexes_each_matrix_once_in_turn():
+    """`int2_expert` takes each matrix's (codes, scale, zero) when it needs it, gate, up, down, once each: a sequence
+    that decodes meta when indexed (Mixtral-offloading's, `offload_store._MoParts`) holds one matrix's at a time."""
+    H, FF, gs = 20, 9, 4
+    mats = [weight(FF, H, gs, seed=m)[:3] for m in range(3)]
+    seen = []
+
+    class Recording:
+        def __getitem__(self, m):
+            seen.append(m)
+            return mats[m]
+
+    ki.int2_expert(torch.randn(H), Recording(), gs)
+    assert seen == [0, 1, 2]
+
+
 def test_bad_shapes_raise():
     packed, s, z, _ = weight(9, 20, 4)
     with pytest.raises(ValueError, match="int2_down needs"):

@@ -231,6 +231,26 @@ def test_mo_form_decodes_close_to_the_weights(model):
     assert err(st.mo_form(*W)) < err(st.int2_form(*W, 64)) < 0.5 * W[0].abs().mean().item()
 
 
+def test_mo_meta_decodes_to_fp16_one_matrix_at_a_time(model):
+    """Mixtral-offloading's scale and zero come back from their 8-bit codes in FP16 (HQQ decodes quantized meta in
+    its compute dtype), when each matrix is indexed, within FP16 rounding of the scale and zero HQQ found; the codes
+    are views into the expert's block (no copy)."""
+    from lab.compress.quant import quantize
+
+    W = weights(moe_blocks(model)[1], 2)
+    form = st.mo_form(*W)
+    parts, g = st.int2_parts(form, FF, H)
+    assert g == st.MO_GROUP and len(parts) == 3
+    for m, M in enumerate((W[0], W[1], W[2].T)):
+        q, s, z = parts[m]
+        assert q.untyped_storage().data_ptr() == form["mo"].untyped_storage().data_ptr()
+        assert s.dtype == z.dtype == torch.float16 and s.shape == z.shape == (FF, math.ceil(H / st.MO_GROUP))
+        ref = quantize(M.detach().float(), 2, st.MO_GROUP)  # before its meta was quantized to 8 bits
+        for got, want in ((s, ref.scale), (z, ref.zero)):  # 8-bit meta: within half a step of its range
+            step = (want.max() - want.min()).item() / 255
+            assert (got.float() - want).abs().max().item() <= 0.5 * step + 2e-3 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("kind", ["int2", "mo"])
 def test_quantized_experts_are_one_block_moved_by_one_copy(model, seq, kind):
     """An `int2` or `mo` expert is one contiguous uint8 tensor (one copy, one latency), whose pieces decode to what
