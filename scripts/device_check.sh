@@ -43,7 +43,9 @@ p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
 print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
       f"{'GPU ' + p.name + f' {p.total_memory / 2**30:.0f} GiB' if p else 'no GPU'}")
 PY
-step pytest 110 $PY -m pytest -m gpu -q -rsx -p no:cacheprovider tests/kernels/test_floe.py tests/kernels/test_int2.py tests/moe/test_links.py
+# -s: the kernel benchmark the tests time (autotuned; the engine's fixed tiles as compact_fixed) prints into pytest.log
+step pytest 110 $PY -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/kernels/test_floe.py tests/kernels/test_int2.py \
+  tests/moe/test_links.py
 step engine 160 $PY scripts/gpu_floe.py --budget 100 --out "$OUT/floe_engine.json"
 rm -rf /tmp/device-nb
 step nb05 200 $PY -m lab run 05_floe -p device cuda --out /tmp/device-nb --no-page
