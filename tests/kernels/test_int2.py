@@ -112,3 +112,33 @@ def test_int2_down_at_mixtral_size(autotune, group_size):
     h = torch.randn(14336, generator=torch.Generator().manual_seed(4)).cuda() / 100
     y = ki.int2_down(h, packed, s, z, group_size, 4096, autotune=autotune)
     torch.testing.assert_close(y, ki.int2_down_ref(h, packed, s, z, group_size, 4096), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("k", [512, 300])
+@pytest.mark.parametrize("group_size", [64, 16])
+def test_the_tiles_cuda_tensors_get_compute_the_same(monkeypatch, k, group_size):
+    """The wide tiles CUDA tensors launch (`_CUDA`; no GPU here, so run under the interpreter in place of the CPU
+    tiles), with K a whole number of chunks (no column mask: the path Mixtral's K = 4096 takes) and ragged: FloE's
+    expert on its transferred rows, the masked kernels, the INT2 GEMV and a whole INT2 expert, against their torch
+    references."""
+    for name, cfg in kf._CUDA.items():
+        monkeypatch.setitem(kf._FIXED, name, cfg)
+    monkeypatch.setattr(ki, "_FIXED", ki._CUDA)
+    n_ff, n = 200, 37
+    mats = [weight(n_ff, k, group_size, seed=20 + m) for m in range(3)]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(k, generator=g)
+    rows = torch.randn(n, 2, k, generator=g) / math.sqrt(k)
+    idx = torch.randperm(n_ff, generator=g)[:n]
+    pk, s, z, Wu = mats[1]
+    ref = (F.silu(rows[:, 0] @ x) * (Wu[idx] @ x)) @ rows[:, 1]
+    torch.testing.assert_close(kf.sparse_expert(x, rows, pk, s, z, idx, group_size), ref, rtol=1e-4, atol=1e-4)
+    mask = torch.rand(n_ff, generator=g) < 0.3
+    Wg, Wd_t = mats[0][3], mats[2][3]
+    h = kf.masked_gate_up(x, Wg, Wu @ x, mask)
+    torch.testing.assert_close(h, kf.masked_gate_up_ref(x, Wg, Wu @ x, mask), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kf.masked_down(h, Wd_t, mask), kf.masked_down_ref(h, Wd_t, mask), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kf.int2_gemv(x, pk, s, z, group_size, k), Wu @ x, rtol=1e-4, atol=1e-4)
+    dense = (F.silu(mats[0][3] @ x) * (Wu @ x)) @ mats[2][3]
+    got = ki.int2_expert(x, [m[:3] for m in mats], group_size)
+    torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-4)
