@@ -388,6 +388,26 @@ def test_engine_decodes_the_same_with_the_kernels(policy, kw):
     assert s_got.bytes == s_ref.bytes and s_got.misses == s_ref.misses and s_got.seconds == s_ref.seconds
 
 
+@pytest.mark.parametrize("policy,kw", [("floe", {"keep": 0.25}), ("mixtral", {"cache_k": 1})])
+def test_engine_at_the_cuda_tiles(monkeypatch, policy, kw):
+    """The engine's kernel path at the tiles CUDA tensors get (`_CUDA`, run here under the interpreter), with hidden
+    size 256, one whole chunk (no column mask, as at Mixtral's 4096): the torch path's logits."""
+    from lab.kernels import int2 as ki
+    from lab.models.zoo import tiny_mixtral
+    from lab.moe.links import SimLink, TimeModel
+    from lab.moe.offload import OffloadEngine
+
+    torch.manual_seed(0)
+    model = tiny_mixtral(vocab_size=40, d_model=256, n_layers=2, n_heads=4, d_ff=96, n_experts=4).eval()
+    seq = torch.randint(40, (1, 3), generator=torch.Generator().manual_seed(3))
+    ref, _ = OffloadEngine(model, policy, SimLink(TimeModel()), kernels=False, **kw).run(seq)
+    for name, cfg in kf._CUDA.items():
+        monkeypatch.setitem(kf._FIXED, name, cfg)
+    monkeypatch.setattr(ki, "_FIXED", ki._CUDA)
+    got, _ = OffloadEngine(model, policy, SimLink(TimeModel()), kernels=True, **kw).run(seq)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------- compiled for NVIDIA GPUs, without a GPU
 
 
