@@ -3,13 +3,17 @@
 #
 # Runs from the repository root with the machine's own python3 (torch, triton, transformers there); installs what
 # it lacks from .whl/ (`scripts/device_wheels.sh`, run beforehand where pip can reach an index). Steps, each under
-# its own time limit so that one that hangs still leaves the others their turn (560 s at most in all; give the call
-# ~590 s). Its run on an H200 on 2026-12-04 took 442 s under earlier limits: scripts/device_runs/2026-12-04_h200/.
+# its own time limit so that one that hangs still leaves the others their turn (510 s at most in all; give the call
+# ~560 s). Its run on an H200 on 2026-12-04 took 442 s under earlier limits: scripts/device_runs/2026-12-04_h200/.
 #   1. the GPU-marked tests: the Triton kernels compiled for this GPU and checked against their torch references,
-#      FloE's offload engine with the kernels against the torch path, CudaLink's causal timeline
-#   2. scripts/gpu_floe.py: every offload policy on a Mixtral-shaped bf16 model (tok/s, bytes/token, memory)
-#   3. notebook 05 with device=cuda (its claims, the engine on the toy through CudaLink, max_memory_allocated)
-#   4. python -m lab bench floe --device cuda (the kernels at Mixtral's expert shape, pinned H2D bandwidth)
+#      FloE's offload engine with the kernels against the torch path, CudaLink's causal timeline, and the kernel
+#      benchmark at Mixtral's expert shape (autotuned, and at the engine's fixed tiles), printed into pytest.log
+#   2. scripts/gpu_floe.py: every offload policy on a Mixtral-shaped bf16 model (tok/s, bytes/token, memory, the
+#      host gather and pinned H2D bandwidths)
+#   3. notebook 05 with device=cuda (its claims, the engine on the toy through CudaLink, max_memory_allocated, the
+#      kernels at the engine's tiles)
+# (`python -m lab bench floe --device cuda`, a step until 2026-12-05, repeated 1 and 3: its policy table is the
+# notebook's, its kernel benchmark the tests', and its autotuning ran again.)
 # Writes to $OUT (or reports/device): summary.txt, a log per step, floe_engine.json, the notebook's record and
 # executed copy, at most 8 files. Exit status: the number of steps that failed.
 set -uo pipefail
@@ -46,11 +50,10 @@ PY
 # -s: the kernel benchmark the tests time (autotuned; the engine's fixed tiles as compact_fixed) prints into pytest.log
 step pytest 110 $PY -m pytest -m gpu -q -s -rsx -p no:cacheprovider tests/kernels/test_floe.py tests/kernels/test_int2.py \
   tests/moe/test_links.py
-step engine 160 $PY scripts/gpu_floe.py --budget 100 --out "$OUT/floe_engine.json"
+step engine 200 $PY scripts/gpu_floe.py --budget 140 --out "$OUT/floe_engine.json"
 rm -rf /tmp/device-nb
 step nb05 200 $PY -m lab run 05_floe -p device cuda --out /tmp/device-nb --no-page
 cp /tmp/device-nb/05_floe.json "$OUT/nb05_record.json" 2>/dev/null
 cp /tmp/device-nb/05_floe.ipynb "$OUT/nb05_executed.ipynb" 2>/dev/null
-step bench 90 $PY -m lab bench floe --device cuda
 echo "device_check: $fails step(s) failed; $SECONDS s" | tee -a "$OUT/summary.txt"
 exit $fails

@@ -165,6 +165,9 @@ def main() -> int:
     out = {"layers": args.layers, "tokens": args.tokens, "policies": {}, "references_max_abs_vs_dense": refs,
            "cached_route_flips": ref_flips, "router_margin": margin, "gather_gbps_by_threads": gather,
            "h2d_gbps": None if args.smoke else h2d_bandwidth(n_rows=(50, 1000))}
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))  # rewritten after each policy: a run cut short keeps what it measured
     for name, (policy, kw, link_kw) in RUNS.items():
         if time.perf_counter() - t_start > args.budget:
             print(f"{name}: skipped (over the {args.budget:.0f} s budget)")
@@ -188,6 +191,7 @@ def main() -> int:
             ref, _ = OffloadEngine(model, policy, link(), device=dev, kernels=False, **kw).run(seq[:, :4])
             r["kernels_vs_torch_max_abs"] = (logits[:4].float() - ref.float()).abs().max().item()
         out["policies"][name] = r
+        path.write_text(json.dumps(out, indent=1))
         print(f"{name:>24}: {r['tps']:7.2f} tok/s, {r['bytes_per_token'] / 1e6:9.1f} MB/token, miss {r['miss']:.2f}, "
               f"device experts {r['resident_bytes'] / 1e9:6.2f} GB, max allocated {r['max_memory'] / 1e9:6.2f} GB "
               f"(planned {r['planned'] / 1e9:6.2f} GB, at start {r['start_memory'] / 1e9:6.2f} GB), "
@@ -198,8 +202,6 @@ def main() -> int:
         del eng, logits
         if not args.smoke:
             torch.cuda.empty_cache()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out} in {time.perf_counter() - t_start:.0f} s")
     return 0
 

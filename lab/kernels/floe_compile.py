@@ -77,8 +77,8 @@ def launches(dtype: str, configs: dict[str, list[dict]]) -> list[Launch]:
     ptrs = {"wg_ptr": w, "wd_ptr": w, "idx_ptr": "*i64", "out_ptr": w}
     out.append(_launch("gather", dtype, ptrs, {"H": H, "stride_wg": H, "stride_wd": H}, {}, {"BLOCK_H": 64}, {}))
     # whole INT2 experts (`lab.kernels.int2`): the gate/up GEMVs and the down kernel, HQQ INT2 (group 64, fp16
-    # scale/zero) and Mixtral-offloading's (group 16, scale/zero dequantized from their 8-bit codes to fp32)
-    for meta, g in (("*fp16", gs), ("*fp32", 16)):
+    # scale/zero) and Mixtral-offloading's (group 16, scale/zero decoded from their 8-bit codes to fp16)
+    for meta, g in (("*fp16", gs), ("*fp16", 16)):
         tag = {"rows": f"g{g}"}
         for c in configs["int2"] if g != gs else []:  # HQQ INT2's gate/up GEMV is FloE's "all" launch
             ptrs = {"x_ptr": x, "q_ptr": u8, "s_ptr": meta, "z_ptr": meta, "y_ptr": f32, "idx_ptr": u8}

@@ -207,7 +207,7 @@ def floe_bench(seed: int = 0, device: str = "cpu", pcie_gbps: float = 25.0, n_se
         r = dec.decode(policy, kw)
         out[name] = {"bytes": r["bytes"], "tps": r["tps"], "loss": r["loss"], "layer_error": err, "miss": r["miss"],
                      "held": r["held"]}
-        out[name] |= {key: r[key] for key in ("max_memory", "planned") if key in r}
+        out[name] |= {key: r[key] for key in ("max_memory", "start_memory", "planned") if key in r}
     ref = out["FP16 on demand"]
     for r in out.values():
         r["bytes_vs_fp16"], r["speed_vs_fp16"] = ref["bytes"] / r["bytes"], r["tps"] / ref["tps"]
@@ -249,14 +249,17 @@ def report(results: dict[str, dict], device: str) -> str:
     clock = "measured (CUDA events)" if device == "cuda" else "modelled (device-tier simulator, Mixtral-equivalent)"
     mem = device == "cuda"
     lines = [f"FloE offload benchmark on the toy Mixtral; tokens/s {clock}"
-             + ("; device memory: torch.cuda.max_memory_allocated during the decode vs planned (model + engine)"
+             + ("; device memory: torch.cuda.max_memory_allocated during the decode and memory_allocated as it "
+                "starts (everything the process holds: the model, the engine, the caller's tensors) vs planned "
+                "(model + engine)"
                 if mem else ""),
              f"{'policy':>22} {'kB/token':>9} {'FP16/this':>9} {'tok/s':>8} {'vs FP16':>8} {'miss':>5} {'loss':>7} "
-             f"{'layer err':>9}" + (f" {'max MB':>8} {'planned':>8}" if mem else "")]
+             f"{'layer err':>9}" + (f" {'max MB':>8} {'start MB':>8} {'planned':>8}" if mem else "")]
     for name, r in results.items():
         lines.append(f"{name:>22} {r['bytes'] / 1e3:9.1f} {r['bytes_vs_fp16']:8.1f}x {r['tps']:8.1f} "
                      f"{r['speed_vs_fp16']:7.1f}x {r['miss']:5.2f} {r['loss']:7.4f} {r['layer_error']:9.2e}"
-                     + (f" {r.get('max_memory', 0) / 1e6:8.2f} {r.get('planned', 0) / 1e6:8.2f}" if mem else ""))
+                     + (f" {r.get('max_memory', 0) / 1e6:8.2f} {r.get('start_memory', 0) / 1e6:8.2f}"
+                        f" {r.get('planned', 0) / 1e6:8.2f}" if mem else ""))
     return "\n".join(lines)
 
 

@@ -96,11 +96,13 @@ class Decoder:
             out["spans"] = eng.link.spans_since(eng.last_token)
             out["resident"], out["held"] = st.resident_bytes, st.held_bytes
             out["max_memory"], out["planned"] = st.max_memory, st.model_bytes + st.resident_bytes + st.held_bytes
+            out["start_memory"] = st.start_memory
         res = {"loss": sum(out["nll"]) / len(out["nll"]), "bytes": sum(out["bytes"]) / len(out["bytes"]),
                "bytes_back": sum(out["back"]) / len(out["back"]),
                "tps": len(out["sec"]) / sum(out["sec"]), "miss": out["miss"] / max(1, out["calls"]),
                "spans": out["spans"], "resident": out["resident"], "held": out["held"]}
-        return res | ({"max_memory": out["max_memory"], "planned": out["planned"]} if cuda else {})
+        return res | ({"max_memory": out["max_memory"], "start_memory": out["start_memory"], "planned": out["planned"]}
+                      if cuda else {})
 
     def decode_all(self, policies: dict[str, tuple[str, dict]], gbps: float | None = None,
                    n: int | None = None) -> dict[str, dict]:

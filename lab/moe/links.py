@@ -114,6 +114,9 @@ class SimLink:
         """The row indices a prediction chose (`after`: its mark), on the host for a gather."""
         return idx.cpu()
 
+    def reserve(self, rows: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Staging room for gathers of up to `rows` rows of `shape` (the simulator stages nothing)."""
+
     def gather(self, host: Tensor, idx: Tensor, layer: int, what: str, after: float) -> tuple[Tensor, float]:
         """host[idx] (idx on the host) into a staging buffer on the host lane, once `after` (the prediction) has
         finished."""
@@ -200,9 +203,20 @@ class CudaLink(SimLink):
         done.synchronize()
         return out
 
+    def reserve(self, rows: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Pins every staging slot of the ring for gathers of up to `rows` rows of `shape` now, before any token is
+        timed: pinning a buffer takes milliseconds, and a ring filled on demand pinned some of its 32 slots inside
+        the first timed token."""
+        for slot in self._ring:
+            if slot[0] is None or slot[0].shape[0] < rows or slot[0].shape[1:] != shape or slot[0].dtype != dtype:
+                if slot[1] is not None:
+                    slot[1].synchronize()
+                slot[0] = torch.empty((max(rows, 1),) + tuple(shape), dtype=dtype, pin_memory=True)
+
     def gather(self, host: Tensor, idx: Tensor, layer: int, what: str, after) -> tuple[Tensor, float]:
         """Rows host[idx] (idx on the host) into a pinned staging buffer (a ring, reused once its previous copy has
-        finished); waits for `after` (the prediction that chose idx) only, not for the whole stream."""
+        finished; `reserve` pins it ahead); waits for `after` (the prediction that chose idx) only, not for the whole
+        stream."""
         if isinstance(after, torch.cuda.Event):
             after.synchronize()
         needs = time.perf_counter() - self.h0
@@ -213,7 +227,7 @@ class CudaLink(SimLink):
         n = len(idx)
         fits = slot[0] is not None and slot[0].shape[0] >= n and slot[0].shape[1:] == host.shape[1:]
         if not fits or slot[0].dtype != host.dtype:
-            slot[0] = torch.empty((max(n, 1),) + tuple(host.shape[1:]), dtype=host.dtype).pin_memory()
+            slot[0] = torch.empty((max(n, 1),) + tuple(host.shape[1:]), dtype=host.dtype, pin_memory=True)
         out = slot[0][:n]
         start = time.perf_counter() - self.h0
         row_gather(host, idx, out, self.gather_threads)

@@ -192,6 +192,8 @@ class OffloadEngine:
             for b in range(2):
                 self.dev[f"rows {b}"] = st.rows_buffer(self.top_k, self.n_keep, self.H, self.wd, self.device)
             self.slots: dict[int, dict[int, int]] = {}  # layer -> expert -> slot of its buffer
+            rows = sample["rows"]  # the host gathers' staging, pinned now rather than inside a timed token
+            self.link.reserve(-(-self.n_keep // self.chunks), tuple(rows.shape[1:]), rows.dtype)
         elif pol == "stream":
             self.dev["stage"] = st.empty_like(sample, self.device)
         elif pol == "mixtral" or (pol.startswith("lru") and self.cache_k):
@@ -311,7 +313,8 @@ class OffloadEngine:
                 logits.append(out.logits[0, -1])
                 self.stats.seconds.append(self.link.elapsed(a, self.link.mark()))
                 self.last_token = a
-            if cuda:
+            if cuda:  # side-stream copies (a speculative load nobody used) may still be writing
+                torch.cuda.synchronize()
                 self.stats.max_memory = torch.cuda.max_memory_allocated()
         return torch.stack(logits), self.stats
 

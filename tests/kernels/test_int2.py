@@ -105,10 +105,10 @@ GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 @pytest.mark.parametrize("autotune", [False, True])
 @pytest.mark.parametrize("group_size", [16, 64])
 def test_int2_down_at_mixtral_size(autotune, group_size):
-    """W_downᵀ (F = 14336, H = 4096) with HQQ INT2's group 64 (fp16 meta) and Mixtral-offloading's 16 (fp32 meta)."""
+    """W_downᵀ (F = 14336, H = 4096) with HQQ INT2's group 64 and Mixtral-offloading's 16, fp16 meta in both (theirs
+    decoded from 8-bit codes to fp16, `offload_store._MoParts`)."""
     packed, s, z, _ = weight(14336, 4096, group_size, seed=3)
-    meta = torch.float16 if group_size == 64 else torch.float32
-    packed, s, z = packed.cuda(), s.to("cuda", meta), z.to("cuda", meta)
+    packed, s, z = packed.cuda(), s.to("cuda", torch.float16), z.to("cuda", torch.float16)
     h = torch.randn(14336, generator=torch.Generator().manual_seed(4)).cuda() / 100
     y = ki.int2_down(h, packed, s, z, group_size, 4096, autotune=autotune)
     torch.testing.assert_close(y, ki.int2_down_ref(h, packed, s, z, group_size, 4096), rtol=2e-3, atol=2e-3)

@@ -315,3 +315,30 @@ def test_dequant_reads_the_quantizer_packing(K, gs):
     got = st.dequant(q.packed, q.scale, q.zero, gs, K, torch.float32)
     torch.testing.assert_close(got, q.dequantize(), rtol=0, atol=1e-6)
     assert st.dequant(q.packed, q.scale, q.zero, gs, K, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_floe_reserves_its_staging_before_the_decode(model, seq):
+    """FloE's engine asks its link for the staging room of its host gathers when it is built (on CUDA the pinned
+    ring is pinned then, not inside a timed token): room for ceil(n_keep / chunks) rows of the host rows' shape and
+    dtype, exactly the largest gather the decode makes."""
+
+    class Recording(SimLink):
+        def __init__(self):
+            super().__init__(TimeModel())
+            self.reserved, self.gathered = [], []
+
+        def reserve(self, rows, shape, dtype):
+            self.reserved.append((rows, shape, dtype))
+
+        def gather(self, host, idx, *a):
+            self.gathered.append((len(idx), tuple(host.shape[1:]), host.dtype))
+            return super().gather(host, idx, *a)
+
+    link = Recording()
+    eng = OffloadEngine(model, "floe", link, keep=0.3, chunks=3)
+    assert len(link.reserved) == 1 and not link.gathered
+    rows, shape, dtype = link.reserved[0]
+    assert rows == -(-eng.n_keep // 3) and shape == (2, H)
+    eng.run(seq)
+    assert link.gathered and all(s == shape and d == dtype for _, s, d in link.gathered)
+    assert max(n for n, *_ in link.gathered) == rows
