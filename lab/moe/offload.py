@@ -266,7 +266,11 @@ class OffloadEngine:
         last layer's `down_proj` (0.94 GB at Mixtral's shape) on the GPU through every decode of the 2026-12-04
         H200 run, the constant gap between `max_memory_allocated` and the plan."""
         p = getattr(ex, name)
-        storage, data = p.untyped_storage(), p.data.to("cpu")  # on CPU `data` is p's own storage
+        storage = p.untyped_storage()
+        if p.is_cuda:  # held in pinned memory, copied there directly (the restore copies back from it)
+            data = torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.data)
+        else:
+            data = p.data.to("cpu")  # on CPU `data` is p's own storage
         meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
         device = p.device
         p.data = torch.empty(0, dtype=p.dtype, device=device)
