@@ -318,6 +318,7 @@ def init_exactness(base, cfg: Config, ids: torch.Tensor, seed: int = 0) -> dict:
     """At step 0 (W_o = 0) the NR model's logits equal the backbone's; trainable parameters lie outside it."""
     model, adapters, trainable = prepare(base, cfg.arm("NR"), cfg.lora_r, seed)
     backbone_ids = {id(q) for q in base.parameters()}
+    ids = ids.to(next(base.parameters()).device)
     return {"max_abs_logit_diff": (model(input_ids=ids).logits - base(input_ids=ids).logits).abs().max().item(),
             "backbone_params_trainable": sum(q.numel() for n, q in model.named_parameters()
                                              if q.requires_grad and ".adapter." not in n),

@@ -166,6 +166,7 @@ def sweep_fit(ms, excess) -> dict:
 @torch.no_grad()
 def causality_gap(oe: ot.OverEncoding, x: torch.Tensor, t: int) -> float:
     """max |OE(x)_{≤t} − OE(x')_{≤t}| where x' changes only x_{t+1} (0 when OE reads no future token)."""
+    x = x.to(next(oe.parameters()).device)
     x2 = x.clone()
     x2[:, t + 1] = (x2[:, t + 1] % (oe.vocab - 1)) + 1 if oe.vocab > 2 else 1 - x2[:, t + 1]
     return float((oe(x)[:, :t + 1] - oe(x2)[:, :t + 1]).abs().max())

@@ -164,7 +164,7 @@ def arm_loss(arm: str, pi_w, ref_w, pi_l, ref_l, s, *, gamma: float) -> Tensor:
         return cdpo_loss(pi_w, ref_w, pi_l, ref_l, s, gamma=gamma, variant=variant).mean()
     pi = torch.stack([pi_w.sum(-1), pi_l.sum(-1)], 1)  # (B, 2) sequence log-probs
     ref = torch.stack([ref_w.sum(-1), ref_l.sum(-1)], 1)
-    extra = {"chosen_len": torch.full((len(pi),), float(pi_w.shape[1]))} if arm == "rpo" else {}
+    extra = {"chosen_len": torch.full((len(pi),), float(pi_w.shape[1]), device=pi.device)} if arm == "rpo" else {}
     return LOSSES[arm](pi, ref, beta=gamma, **extra).mean()
 
 

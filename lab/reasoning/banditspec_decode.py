@@ -125,7 +125,9 @@ def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
 
 def verify_sample(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int],
                   gen: torch.Generator | None) -> tuple[int, int]:
-    """(k, next token) by speculative sampling: p (γ+1, V) target, q (γ, V) draft distributions."""
+    """(k, next token) by speculative sampling: p (γ+1, V) target, q (γ, V) draft distributions (q moved to p's
+    device: prompt lookup's one-hot drafts are built on the host)."""
+    q = q.to(p.device) if q is not None else q
     for i, x in enumerate(drafts):
         if torch.rand((), generator=gen, dtype=torch.float64) < min(1.0, float(p[i, x] / q[i, x])):
             continue

@@ -291,3 +291,12 @@ def test_pipeline_pairs_models_and_sweep_follow_the_steps_by_hand():
             assert res[arm, 0.0][split] == task.greedy_accuracy(base, q, generator=torch.Generator())  # lr 0: the base
         w = response_logps(base, pairs["prompt"], pairs["chosen"]).sum(-1).mean().item()
         assert res[arm, 0.0]["log"]["chosen"] == [w, w] and res[arm, 0.0]["log"]["step"] == [0, cfg.steps]
+
+
+@pytest.mark.parametrize("arm", ["dpo", "rpo", "cdpo", "cdpo_positionwise"])
+def test_arm_loss_stays_on_its_inputs_device(arm):
+    """Every arm's loss is built on the device of its log-probs (here `meta`, standing in for CUDA: a host tensor
+    mixed in raises, as on a GPU; rpo's per-token length was once made on the host)."""
+    B, L = 3, 4
+    t = lambda: torch.zeros(B, L, device="meta")
+    assert C.arm_loss(arm, t(), t(), t(), t(), t(), gamma=0.5).device.type == "meta"
