@@ -78,10 +78,12 @@ def save_tiny_lm(folder: Path, tok, *, seed: int | None = 0, **arch) -> Path:
     return Path(folder)
 
 
-def save_tiny_moe(folder: Path, words: list[str], *, lines: int, seed: int = 0, **arch) -> tuple[Path, Path]:
+def save_tiny_moe(folder: Path, words: list[str], *, lines: int, seed: int = 0, dtype=None,
+                  **arch) -> tuple[Path, Path]:
     """A researcher's MoE checkpoint and text: a tiny Mixtral (`lab.models.zoo.tiny_mixtral`, `arch` its sizes,
-    weights drawn after `torch.manual_seed(seed)`) with a word-level tokenizer over `words`, saved to folder/ckpt,
-    and `lines` lines of 40 random words in folder/text.txt. Returns (ckpt, text)."""
+    weights drawn after `torch.manual_seed(seed)`, saved in `dtype`, default float32) with a word-level tokenizer
+    over `words`, saved to folder/ckpt, and `lines` lines of 40 random words in folder/text.txt. Returns (ckpt,
+    text)."""
     import numpy as np
     import torch
 
@@ -90,7 +92,7 @@ def save_tiny_moe(folder: Path, words: list[str], *, lines: int, seed: int = 0, 
 
     tok = word_tokenizer(words)
     torch.manual_seed(seed)
-    tiny_mixtral(vocab_size=len(tok), **arch).save_pretrained(Path(folder) / "ckpt")
+    tiny_mixtral(vocab_size=len(tok), **arch).to(dtype or torch.float32).save_pretrained(Path(folder) / "ckpt")
     tok.save_pretrained(Path(folder) / "ckpt")
     g = np.random.default_rng(seed)
     (Path(folder) / "text.txt").write_text("\n".join(" ".join(g.choice(words, 40)) for _ in range(lines)))

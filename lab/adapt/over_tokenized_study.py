@@ -231,7 +231,7 @@ def checkpoint_study(model: str, data: str, *, n: int, k: int, m: int, steps: in
     after_oe = loss_of(oe_model)
     out = Path(out_dir or tempfile.mkdtemp(prefix="over_tokenized-"))
     ot.save(acc.unwrap_model(oe_model, keep_fp32_wrapper=False), out, tok)
-    back = ot.load(out).to(acc.device).eval()
+    back = ot.load(out, attn_implementation=net.config._attn_implementation).to(acc.device).eval()  # same kernel
     with torch.no_grad():
         x = ev[:2].to(acc.device)
         diff = float((back(input_ids=x).logits - oe_model(input_ids=x).logits).abs().max())

@@ -236,7 +236,8 @@ def save_smaller(st: Study, labels: list, tokenizer, out_dir: str = "", *, keep:
     with tempfile.TemporaryDirectory() as tmp:
         st.model.save_pretrained(tmp)
         orig_bytes = file_size(Path(tmp))
-    back = AutoModelForCausalLM.from_pretrained(out).to(next(small.parameters()).device).eval()
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation=small.config._attn_implementation)
+    back = back.to(next(small.parameters()).device).eval()  # the same attention kernel: in bf16 they differ
     x = st.batch["input_ids"][:2]
     with torch.no_grad():
         dlogit = (back(input_ids=x).logits - small(input_ids=x).logits).abs().max().item()

@@ -248,7 +248,8 @@ def shrink(model: nn.Module, gate_up: list[Tensor], down: list[Tensor], router: 
         name = hooks.name_of(model, mlp)
         sd.update({f"{name}.experts.gate_up_proj": gu, f"{name}.experts.down_proj": d, f"{name}.gate.weight": w})
     p = next(model.parameters())
-    new = type(model)(cfg).to(device=p.device, dtype=p.dtype)
+    with torch.device(p.device):  # built where the model is, in its dtype; `.to(dtype)` would also round the
+        new = type(model)._from_config(cfg, dtype=p.dtype)  # float32 rotary frequencies of a bf16 checkpoint
     new.load_state_dict(sd)
     return new.eval()
 

@@ -222,7 +222,9 @@ def test_size_explorer_updates_with_its_controls():
 @pytest.mark.notebook
 @pytest.mark.timeout(300)
 def test_checkpoint_folder_gets_over_encoding_trained_saved_and_reloads(tmp_path):
-    """model=<folder>, data=<.txt>: OE attached to a saved tiny Llama, trained, written to out_dir, reloaded."""
+    """model=<folder>, data=<.txt>: OE attached to a saved tiny Llama (bfloat16, as researchers' checkpoints are;
+    loaded as saved), trained, written to out_dir, reloaded with the same attention kernel (a reload with another
+    one failed the run's 1e-4 reload check in bf16)."""
     from transformers import AutoModelForCausalLM
 
     from lab.models.tokenizer import word_tokenizer
@@ -232,7 +234,8 @@ def test_checkpoint_folder_gets_over_encoding_trained_saved_and_reloads(tmp_path
     words = [f"w{i}" for i in range(30)]
     tok = word_tokenizer(words)
     torch.manual_seed(0)
-    tiny_llama(vocab_size=len(tok), d_model=32, n_layers=1, n_heads=4).save_pretrained(tmp_path / "ckpt")
+    tiny_llama(vocab_size=len(tok), d_model=32, n_layers=1, n_heads=4).to(torch.bfloat16).save_pretrained(
+        tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
     g = np.random.default_rng(0)
     (tmp_path / "text.txt").write_text("\n".join(" ".join(g.choice(words, 40)) for _ in range(100)))

@@ -252,13 +252,15 @@ def test_config_controls():
 @pytest.mark.notebook
 @pytest.mark.timeout(300)
 def test_checkpoint_folder_is_merged_saved_and_reloads(tmp_path):
-    """model=<folder>, data=<.txt>: HC-SMoE on a saved tiny Mixtral, the smaller model written to out_dir."""
+    """model=<folder>, data=<.txt>: HC-SMoE on a saved tiny Mixtral, in bfloat16 as researchers' checkpoints are
+    (loaded as saved), the smaller model written to out_dir and reloaded identically (in bf16 the merged model's
+    rotary frequencies were once rounded and its reload used another attention kernel: the run failed)."""
     from transformers import AutoModelForCausalLM
 
     from ..conftest import fake_lm_eval, run_lab, save_tiny_moe
 
     save_tiny_moe(tmp_path, [f"w{i}" for i in range(30)], lines=200, d_model=32, n_layers=2, n_heads=4, d_ff=48,
-                  n_experts=8)
+                  n_experts=8, dtype=torch.bfloat16)
     proc = run_lab("run", "06_hc_smoe", "-p", "model", str(tmp_path / "ckpt"), "-p", "data", str(tmp_path / "text.txt"),
                    "-p", "out_dir", str(tmp_path / "merged"), "-p", "tasks", "toy_task", "--out", str(tmp_path / "out"),
                    "--no-page", env=fake_lm_eval(tmp_path / "stub"))
@@ -272,3 +274,21 @@ def test_checkpoint_folder_is_merged_saved_and_reloads(tmp_path):
     assert saved["bytes"]["merged"] < saved["bytes"]["original"]
     # lm-eval (stubbed) scored the written folder: the merged model's parameter count
     assert rec["metrics"]["zero_shot"] == {"toy_task": {"params": saved["params"]["merged"]}}
+
+
+def test_shrink_keeps_a_bf16_models_rotary_frequencies(tmp_path):
+    """A bf16 checkpoint (loaded as `from_pretrained` loads it: weights bf16, rotary frequencies float32) shrunk with
+    every expert kept gives the original's logits; `.to(bfloat16)` rounded its rotary frequencies (the logits of 06's
+    checkpoint path then moved by ~0.01, and its reload check failed)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    tiny_qwen2_moe(vocab_size=64).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    mlps = blocks.moe_blocks(model)
+    same = hc.shrink(model, [m.experts.gate_up_proj.data for m in mlps], [m.experts.down_proj.data for m in mlps],
+                     [m.gate.weight.data for m in mlps])
+    assert all(m.inv_freq.dtype == torch.float32 for m in same.modules() if hasattr(m, "inv_freq"))
+    ids = torch.randint(model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(same(input_ids=ids).logits, model(input_ids=ids).logits)
