@@ -203,6 +203,15 @@ def file_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
 
 
+def original_bytes(model) -> int:
+    """The original model's weight files: its checkpoint folder's *.safetensors when it was loaded from one (not
+    written again to measure them: 93 GB for Mixtral-8x7B), else its parameters' bytes (shared ones once)."""
+    src = Path(getattr(model.config, "_name_or_path", "") or "")
+    if src.is_dir() and (n := file_size(src)):
+        return n
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def checkpoint_study(model: str, data: str, n_blocks: int, block_len: int, seed: int, device: str = "cpu"):
     """A checkpoint (`load_model`) of an MoE family, calibrated and evaluated on `data` (`lab.data.text`): the
     first n_blocks token blocks calibrate, the next n_blocks are held out. Returns (Study, tokenizer)."""
@@ -233,9 +242,7 @@ def save_smaller(st: Study, labels: list, tokenizer, out_dir: str = "", *, keep:
     small.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    with tempfile.TemporaryDirectory() as tmp:
-        st.model.save_pretrained(tmp)
-        orig_bytes = file_size(Path(tmp))
+    orig_bytes = original_bytes(st.model)
     back = AutoModelForCausalLM.from_pretrained(out, attn_implementation=small.config._attn_implementation)
     back = back.to(next(small.parameters()).device).eval()  # the same attention kernel: in bf16 they differ
     x = st.batch["input_ids"][:2]

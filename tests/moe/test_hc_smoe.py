@@ -292,3 +292,15 @@ def test_shrink_keeps_a_bf16_models_rotary_frequencies(tmp_path):
     ids = torch.randint(model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(same(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_original_bytes_are_the_checkpoints_files_or_its_parameters(tmp_path):
+    """The original's size is read from the folder it was loaded from, never written again (Mixtral-8x7B: 93 GB);
+    a model built in memory counts its parameters' bytes."""
+    from transformers import AutoModelForCausalLM
+
+    m = tiny_qwen2_moe(vocab_size=40, d_model=32, n_layers=2, n_heads=4, d_ff=24, n_experts=4, d_shared=32)
+    assert hm.original_bytes(m) == sum(p.numel() * p.element_size() for p in m.parameters())
+    m.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert hm.original_bytes(back) == hm.file_size(tmp_path) > 0
