@@ -78,16 +78,16 @@ def checkpoint(model: str, data: str, cfg: Config, *, steps: int = 20, lr: float
         opt.zero_grad(set_to_none=True)
     q = acc.unwrap_model(q).eval()
     res["loss"]["RoSTE (after QA-SFT)"] = lm_loss(q, ev)
-    res["saved"] = save(q, tok, rot, out_dir or None, original=net, ids=ev[:2])
+    res["saved"] = save(q, tok, rot, out_dir or None, ids=ev[:2])
     return res
 
 
-def save(qmodel: nn.Module, tokenizer, rot: Rotations, out_dir: str | None, *, original: nn.Module | None = None,
-         ids: Tensor | None = None) -> dict:
+def save(qmodel: nn.Module, tokenizer, rot: Rotations, out_dir: str | None, *, ids: Tensor | None = None) -> dict:
     """The rotated model with `save_pretrained` (its latent weights, rotated; a plain Llama folder that
     `from_pretrained` reads), `roste.json` (quantizer, chosen R2/R3/R4, the rotations' signs — what the online
     R3/R4 and the fake quantizer need) and `roste_w4.safetensors` (every quantized linear's 4-bit codes packed two
-    a byte + fp16 scale/zero per output channel: the deployable W4). `load` rebuilds the fake-quant model."""
+    a byte + fp16 scale/zero per output channel: the deployable W4). `load` rebuilds the fake-quant model, on the
+    model's device, and its logits on `ids` are compared with the model's there (the model is not moved)."""
     import json
     import tempfile
     from pathlib import Path
@@ -110,16 +110,19 @@ def save(qmodel: nn.Module, tokenizer, rot: Rotations, out_dir: str | None, *, o
                            f"{name}.zero": z.half()})
             lin_bytes += mod.weight.numel() * 2  # the same linears in bf16, the paper's training precision
     save_file({k: v.contiguous().cpu() for k, v in packed.items()}, str(out / "roste_w4.safetensors"))
-    back = load(out)
-    x = ids if ids is not None else torch.ones(1, 4, dtype=torch.long)
+    dev = next(qmodel.parameters()).device
+    back = load(out, device=dev)
+    x = (ids if ids is not None else torch.ones(1, 4, dtype=torch.long)).to(dev)
     with torch.no_grad():
-        dl = (back(input_ids=x.cpu()).logits - qmodel.cpu()(input_ids=x.cpu()).logits).abs().max().item()
+        dl = (back(input_ids=x).logits - qmodel(input_ids=x).logits).abs().max().item()
+    del back
     return {"out_dir": str(out), "reload_max_abs_logit_diff": dl, "linear_bytes_bf16": lin_bytes,
             "linear_bytes_w4": (out / "roste_w4.safetensors").stat().st_size}
 
 
-def load(folder) -> nn.Module:
-    """A folder written by `save` back as the fake-quantized RoSTE model (from_pretrained + the online parts)."""
+def load(folder, device: str | torch.device | None = None) -> nn.Module:
+    """A folder written by `save` back as the fake-quantized RoSTE model (from_pretrained + the online parts),
+    loaded straight onto `device` (default: where `from_pretrained` puts it)."""
     import json
     from pathlib import Path
 
@@ -128,6 +131,7 @@ def load(folder) -> nn.Module:
     from lab.compress.rotate import wrap
 
     spec = json.loads((Path(folder) / "roste.json").read_text())
-    m = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    m = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
+                                             device_map=None if device is None else str(device)).eval()
     return wrap(m, QuantSpec(**spec["quant"]), Rotations.from_dict(spec["rotations"]), spec["choice"],
                 r1=spec["r1"], wrong_side=spec["wrong_side"])

@@ -181,8 +181,9 @@ def checkpoint_run(model_name: str, data: str, cfg: lt.Config, *, seed: int = 0,
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     n_text = len(tok)
     vcfg = lt.Config(L=cfg.L, r=cfg.r, K=cfg.K, vq_steps=cfg.vq_steps)
-    vq, g = lt.VQVAE(vcfg, n_text), torch.Generator().manual_seed(seed)
+    dev = torch.device(device)  # the VQ-VAE's logits span the model's vocabulary: train it where the model runs
     torch.manual_seed(seed)
+    vq, g = lt.VQVAE(vcfg, n_text).to(dev), torch.Generator().manual_seed(seed)
     chunks = [(lt.chunks_of(torch.cat(x)[None], cfg.L, pad), x[0]) for x in enc]
     opt = torch.optim.Adam(vq.parameters(), lr=vcfg.vq_lr)
     for _ in range(vcfg.vq_steps):
@@ -190,8 +191,8 @@ def checkpoint_run(model_name: str, data: str, cfg: lt.Config, *, seed: int = 0,
         ch = torch.cat([chunks[i][0] for i in pick])
         P = nn.utils.rnn.pad_sequence([chunks[i][1] for i in pick for _ in range(len(chunks[i][0]))],
                                       batch_first=True, padding_value=pad)
-        logits, _, vq_loss = vq(ch, P)
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), ch.flatten()) + vq_loss
+        logits, _, vq_loss = vq(ch.to(dev), P.to(dev))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), ch.to(dev).flatten()) + vq_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -201,9 +202,10 @@ def checkpoint_run(model_name: str, data: str, cfg: lt.Config, *, seed: int = 0,
     model.resize_token_embeddings(max(len(tok), model.get_input_embeddings().num_embeddings), mean_resizing=True)
     v = lt.Vocab(n_text=tok.convert_tokens_to_ids("<|bol|>"), K=cfg.K, eos=tok.eos_token_id or pad, ans=-1, pad=pad)
     full = [(p, c[: len(c) // cfg.L * cfg.L], s) for p, c, s in enc]  # whole chunks of the trace only
-    zs = [vq.codes(c.view(-1, cfg.L)).flatten() if len(c) else torch.zeros(0, dtype=torch.long) for _, c, _ in full]
-    rec = [(vq.decode_codes(vq.codes(c.view(-1, cfg.L)), p.expand(len(c) // cfg.L, -1)).flatten() == c).float()
-           for (p, c, _), _ in zip(full, zs) if len(c)]
+    zs = [vq.codes(c.view(-1, cfg.L).to(dev)).flatten().cpu() if len(c) else torch.zeros(0, dtype=torch.long)
+          for _, c, _ in full]
+    rec = [(vq.decode_codes(z.view(-1, cfg.L // cfg.r).to(dev), p.expand(len(c) // cfg.L, -1).to(dev)).flatten().cpu()
+            == c).float() for (p, c, _), z in zip(full, zs) if len(c)]
     acc = Accelerator(cpu=device == "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model, opt = acc.prepare(model, opt)

@@ -48,7 +48,7 @@ def test_full_ond_keeps_every_head_product():
 def test_ond_rotation_leaves_the_logits_unchanged():
     m, ids = _tiny(), torch.randint(1, 50, (3, 12))
     exact = ols.ond_exactness(m, ids)
-    assert exact["fast"] < 1e-4 and exact["full"] < 1e-4
+    assert exact["fast"] < 1e-5 and exact["full"] < 1e-5  # relative to max |logits|
 
 
 def test_weighted_svd_reaches_the_eckart_young_error_and_beats_unweighted_svd_in_its_norm():

@@ -137,6 +137,8 @@ def test_save_and_load_rebuild_the_fake_quant_model(tmp_path):
     assert saved["reload_max_abs_logit_diff"] < 1e-5 and saved["linear_bytes_w4"] < saved["linear_bytes_bf16"]
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # a plain Llama folder
     assert plain.config.model_type == "llama"
+    back = roste_checkpoint.load(tmp_path / "out", device="cpu")  # loaded straight where asked (save: the model's)
+    assert {p.device.type for p in back.parameters()} == {"cpu"} and back.config.roste == q.config.roste
 
 
 def test_wrong_family_is_one_sentence(tmp_path):
