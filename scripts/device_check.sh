@@ -9,7 +9,7 @@
 #      FloE's offload engine with the kernels against the torch path, CudaLink's causal timeline, and the kernel
 #      benchmark at Mixtral's expert shape (autotuned, and at the engine's fixed tiles), printed into pytest.log
 #   2. scripts/gpu_floe.py: every offload policy on a Mixtral-shaped bf16 model (tok/s, bytes/token, memory, the
-#      host gather and pinned H2D bandwidths)
+#      host gather and pinned H2D bandwidths), FloE against Mixtral-offloading at FloE's device bytes first
 #   3. notebook 05 with device=cuda (its claims, the engine on the toy through CudaLink, max_memory_allocated, the
 #      kernels at the engine's tiles)
 # (`python -m lab bench floe --device cuda`, a step until 2026-12-05, repeated 1 and 3: its policy table is the

@@ -11,7 +11,10 @@ model's own KV-cached decode (the path every engine takes; BF16 policies ≈ 0 u
 ones larger), at how many (layer, token) pairs its routers chose other experts than the dense forward's and the
 cached decode's (a flip replaces an expert's whole output: with random weights, Δ of the order of the logits' std),
 the busy milliseconds per token of each timeline lane (compute, transfer, host-side row gather; FloE also with a
-one-thread gather), and FloE's logits with the kernels against the torch path on the same tokens. First it prints
+one-thread gather), and FloE's logits with the kernels against the torch path on the same tokens. Mixtral-offloading
+runs twice: with as many experts per layer as fit in FloE keep 0.2's measured device bytes (the paper's comparison at
+equal device memory: the ratios of tokens/s and bytes/token are printed and written as
+`floe_vs_mixtral_offloading_equal_memory`), and at k = 4. First it prints
 how far the dense logits move with the path alone (cached decode, eager experts), how many routes the cached decode
 changes, the smallest top-k router margin of the dense forward, and the host's row-gather GB/s on 1 and on
 `CudaLink`'s gather threads.
@@ -38,13 +41,17 @@ from lab.models.zoo import tiny_mixtral
 from lab.moe.blocks import moe_blocks
 from lab.moe.links import CudaLink, SimLink, TimeModel, default_gather_threads, gather_bandwidth, h2d_bandwidth
 from lab.moe.offload import OffloadEngine
+from lab.moe.offload_policies import plan
 
 # (policy, engine options, CudaLink options), in the order a run cut by --budget keeps them: FP16 on demand, FloE and
 # the faithful Mixtral-offloading first (the comparison the paper makes), then FloE with one gather thread (the host
 # gather the 2026-12-04 run likely had: its 29 tok/s matched the simulator with a one-thread gather, 8.75 GB/s; it
 # models 76 tok/s at 25 GB/s), whole-layer streaming (the slowest) last
+# "Mixtral-offloading at FloE's memory": the experts per layer and buffers that fit in FloE keep 0.2's device bytes
+# (`offload_policies.plan`), set once FloE has run — the paper's comparison at equal device memory
+EQUAL = "Mixtral-offloading at FloE's memory"
 RUNS = {"FP16 on demand": ("fp16", {}, {}), "FloE keep 0.2": ("floe", {"keep": 0.2}, {}),
-        "Mixtral-offloading k=4": ("mixtral", {"cache_k": 4}, {}),
+        EQUAL: ("mixtral", None, {}), "Mixtral-offloading k=4": ("mixtral", {"cache_k": 4}, {}),
         "FloE keep 0.2, 1 gather thread": ("floe", {"keep": 0.2}, {"gather_threads": 1}),
         "INT2 on demand": ("int2", {}, {}), "LRU INT2 k=4": ("lru-int2", {"cache_k": 4}, {}),
         "FloE keep 0.1": ("floe", {"keep": 0.1}, {}), "LRU FP16 k=4": ("lru-fp16", {"cache_k": 4}, {}),
@@ -123,6 +130,16 @@ def lane_ms(spans, n_tokens: int) -> dict[str, float]:
     return busy
 
 
+def equal_memory(res: dict) -> dict:
+    """FloE keep 0.2 against Mixtral-offloading at FloE's device bytes, from this run: the ratio of tokens/s (FloE /
+    theirs), of host-to-device bytes per token (theirs / FloE; and counting their device-to-host write-back), and of
+    the device expert bytes each held (FloE / theirs, ≥ 1: theirs fits in FloE's)."""
+    f, m = res["FloE keep 0.2"], res[EQUAL]
+    return {"tps_ratio": f["tps"] / m["tps"], "bytes_ratio": m["bytes_per_token"] / f["bytes_per_token"],
+            "bytes_ratio_with_write_back": (m["bytes_per_token"] + m["bytes_back_per_token"]) / f["bytes_per_token"],
+            "device_bytes_ratio": f["resident_bytes"] / m["resident_bytes"], "mixtral_kwargs": m["engine_kwargs"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=3)
@@ -172,6 +189,12 @@ def main() -> int:
         if time.perf_counter() - t_start > args.budget:
             print(f"{name}: skipped (over the {args.budget:.0f} s budget)")
             continue
+        if kw is None:  # EQUAL: sized by FloE's measured device bytes
+            floe = out["policies"].get("FloE keep 0.2")
+            kw = floe and plan(model, floe["resident_bytes"], 0.2)["mixtral"]
+            if not kw:
+                print(f"{name}: skipped ({'FloE did not run' if not floe else 'not one expert per layer fits'})")
+                continue
         t0 = time.perf_counter()
         eng = OffloadEngine(model, policy, link(**link_kw), device=dev, **kw)
         with routes(model) as rr:
@@ -187,10 +210,13 @@ def main() -> int:
              "route_flips_vs_dense": flips(rr[0], dense_routes), "route_flips_vs_cached": flips(rr[0], cached_routes),
              "lane_ms_per_token": lane_ms(eng.link.spans, len(st.seconds)),
              "seconds": time.perf_counter() - t0}
+        r["engine_kwargs"] = kw
         if name == "FloE keep 0.2":
             ref, _ = OffloadEngine(model, policy, link(), device=dev, kernels=False, **kw).run(seq[:, :4])
             r["kernels_vs_torch_max_abs"] = (logits[:4].float() - ref.float()).abs().max().item()
         out["policies"][name] = r
+        if name == EQUAL:
+            out["floe_vs_mixtral_offloading_equal_memory"] = equal_memory(out["policies"])
         path.write_text(json.dumps(out, indent=1))
         print(f"{name:>24}: {r['tps']:7.2f} tok/s, {r['bytes_per_token'] / 1e6:9.1f} MB/token, miss {r['miss']:.2f}, "
               f"device experts {r['resident_bytes'] / 1e9:6.2f} GB, max allocated {r['max_memory'] / 1e9:6.2f} GB "
@@ -199,6 +225,11 @@ def main() -> int:
               f"from dense / cached at {r['route_flips_vs_dense']} / {r['route_flips_vs_cached']}, busy ms/token "
               + ", ".join(f"{k} {v:.1f}" for k, v in r["lane_ms_per_token"].items()) + ", "
               f"{r['seconds']:.0f} s", flush=True)
+        if name == EQUAL:
+            eq = out["floe_vs_mixtral_offloading_equal_memory"]
+            print(f"FloE keep 0.2 vs {EQUAL} ({kw}): device expert bytes {eq['device_bytes_ratio']:.2f}x theirs, "
+                  f"{eq['tps_ratio']:.2f}x their tokens/s, {eq['bytes_ratio']:.2f}x fewer host-to-device bytes per "
+                  f"token ({eq['bytes_ratio_with_write_back']:.2f}x counting their write-back)", flush=True)
         del eng, logits
         if not args.smoke:
             torch.cuda.empty_cache()

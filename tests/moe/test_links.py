@@ -145,7 +145,12 @@ def test_gpu_script_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rec = json.loads(out.read_text())
     res = rec["policies"]
-    assert len(res) == 9 and all(v["finite"] and v["tps"] > 0 and v["bytes_per_token"] > 0 for v in res.values())
+    assert len(res) == 10 and all(v["finite"] and v["tps"] > 0 and v["bytes_per_token"] > 0 for v in res.values())
+    # Mixtral-offloading sized by FloE's measured device bytes: it fits in them, and the ratios come from this run
+    eq, floe = rec["floe_vs_mixtral_offloading_equal_memory"], res["FloE keep 0.2"]
+    mo = res["Mixtral-offloading at FloE's memory"]
+    assert mo["resident_bytes"] <= floe["resident_bytes"] and eq["device_bytes_ratio"] >= 1
+    assert eq["tps_ratio"] == floe["tps"] / mo["tps"] and eq["mixtral_kwargs"] == mo["engine_kwargs"]
     assert res["FP16 on demand"]["max_abs_vs_dense"] < 0.1  # BF16 experts moved whole: the dense model's logits
     # routes recorded per layer for the layer's own tokens only (FloE's and Mixtral-offloading's next-layer
     # predictions call the routers too; recorded, they would not line up with the dense forward's and raise)
