@@ -3,7 +3,8 @@
 Each entry's ``stem`` is the notebook's file stem (``notebooks/<stem>.ipynb``) and the name of its
 run record (``reports/<stem>.json``). Titles, authors and arXiv ids are the papers' own (arXiv
 abstract pages); ``*`` marks equal contribution, as in the papers. ``bench`` names the module whose
-``@lab.core.bench.register`` entry `python -m lab bench` runs (empty: the paper has no bench).
+``@lab.core.bench.register`` entry `python -m lab bench` runs (empty: the paper has no bench). ``LIMITS``: the
+ranges of each notebook's own numeric knobs, which the runner checks before any kernel starts.
 """
 
 from __future__ import annotations
@@ -92,3 +93,43 @@ PAPERS: tuple[Paper, ...] = (
 
 ALL: tuple[Paper, ...] = (TOUR, *PAPERS)  # the index's rows, in order
 BY_STEM: dict[str, Paper] = {p.stem: p for p in ALL}
+
+# The values each notebook's own knobs may take (the contract parameters are `lab.core.params.validate`'s): comparisons
+# of parameter names and numbers (`lab.core.params.check_limits`), the runner refuses an override outside them with
+# one sentence before any kernel starts. Each excludes what crashes or cannot mean anything (a probability outside
+# [0, 1], a learning rate ≤ 0, nothing left to train on), no more; "0: the scale's" knobs keep 0. Limits that depend
+# on the data or the model (rows in a file, experts in a checkpoint) are checked inside the notebook. `FREE`: knobs
+# that take any number (named, so that tests/test_hygiene.py knows every numeric knob was considered).
+_CKPT = ("lr > 0", "max_len >= 0")  # the preference-tuning checkpoint arms (LoRA, AdamW; max_len 0: the scale's)
+_BLOCKS = ("n_blocks >= 1", "block_len >= 2")  # lab.data.text blocks: a 1-token block has no next-token target
+LIMITS: dict[str, tuple[str, ...]] = {
+    "01_expo": ("1 <= held_out < n_pairs", "steps >= 0", "lora_r >= 1", "beta > 0", "lam >= 0", *_CKPT),
+    "02_popper": ("0 < alpha < 1", "budget >= 1", "llm_hypotheses >= 1"),
+    "03_tlm": ("0 < select_frac <= 1", "lr > 0", "n_inputs >= 0", "held_out >= 0", "adapt_lr > 0",
+               "tent_tokens >= 0", "max_len >= 0"),
+    "04_emi": ("n_queries >= 0", "max_new_tokens >= 0", "club_steps >= 0"),
+    "05_floe": ("0 < k < 1", "pcie_gbps > 0", *_BLOCKS),
+    "06_hc_smoe": ("r >= 1", *_BLOCKS),  # r < the model's experts per layer: checked by hc_smoe.cluster
+    # Olica's sr_allocation: above s = 0.4 the Q/K sparsity is 2ks/(1+k), which must stay below 1
+    "07_olica": ("0 < s < 1", "k >= 0", "s <= 0.4 or 2 * k * s < 1 + k", "mlp_num >= 0", "0 < lc_ratio <= 1"),
+    "08_latent_tokens": ("n_problems >= 1", "ft_steps >= 1"),
+    # Little-Zoo: 5 goals leave every family one; above 620,816 the held-out grow-plant family runs out of distinct
+    # goals; learning-progress snapshots are taken every 8 rounds (0 rounds: the scale's)
+    "10_magellan": ("5 <= n_goals <= 620816", "rounds >= 0", "rounds <= 0 or rounds >= 8", "0 <= transfer <= 1"),
+    "11_hps": ("1 <= held_out < n_rows", "steps >= 0", "lora_r >= 1", "beta > 0", "0 <= label_smoothing < 0.5",
+               *_CKPT[1:]),
+    "12_infalign": ("n_prompts >= 1", "K >= 1", "M >= 2", "max_new_tokens >= 1"),
+    "13_rip": ("0 < bad_frac < 1", "0 <= q < 1", "1 <= held_out", "held_out + 3 <= n_prompts", "n_samples >= 2",
+               "epochs > 0", *_CKPT),
+    "14_roste": ("steps >= 1", "lr > 0", *_BLOCKS),
+    "15_neutral_residues": ("steps >= 1", "lr > 0", "alpha >= 0", "n_blocks >= 2", "block_len >= 2"),
+    "16_banditspec": ("0 < delta <= 1", "cr_scale_b >= 0", "n_prompts >= 1", "prompt_len >= 1", "gen_len >= 1"),
+    "17_over_tokenized": ("n >= 2", "k >= 1", "steps >= 1", "lr > 0", *_BLOCKS),
+    "19_cdpo": ("beta_ce >= 0", "gamma > 0", "0 <= held_out < n_problems", "n_samples >= 0",
+                "n_samples <= 0 or n_samples >= 2", "max_new_tokens >= 0", *_CKPT),
+}
+FREE: dict[str, tuple[str, ...]] = {
+    "03_tlm": ("log_p0",),  # SEL's threshold in nats; ≤ 0 takes it from select_frac
+    "11_hps": ("gamma",),  # HPS hardness: any finite γ (its curriculum uses γ < 0)
+    "17_over_tokenized": ("m",),  # table rows; ≤ 0 picks the first prime from 2V coprime with V
+}

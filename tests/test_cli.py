@@ -182,6 +182,20 @@ def test_bad_names_and_parameters_write_nothing(nbdir, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("args, words", [
+    (("-p", "s", "1.5"), "error: 07_olica: s=1.5: out of range; this notebook needs 0 < s < 1."),
+    (("-p", "s", "abc"), "error: 07_olica: s='abc' is not a number (its default is 0.33)."),
+    (("-p", "mlp_num", "2.5"), "error: 07_olica: mlp_num=2.5 is not an integer (its default is 3).")])
+def test_a_paper_knob_out_of_its_limits_or_type_is_refused_before_a_kernel_starts(tmp_path, args, words):
+    """The paper's own knobs (here Olica's sparsity s and mlp_num): checked by the runner against their defaults'
+    types and `lab.papers` limits: one sentence, exit 2, nothing written (these ran ~20 s into the notebook and
+    died in a widget or a tensor shape)."""
+    out = tmp_path / "r"
+    proc = lab("run", "07_olica", *args, "--out", str(out), nbdir=ROOT / "notebooks")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [words], proc.stderr
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("error", ["lab.core.ParamError", "__import__('lab.data.text').data.text.DataNotAvailable"])
 def test_a_notebook_that_refuses_its_input_is_one_sentence_and_writes_nothing(tmp_path, error):
     """Bad input found inside the kernel (a wrong model family, unreadable data) is one sentence, not a crash."""

@@ -62,6 +62,25 @@ def test_ruff_is_clean():
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_numeric_knob_has_limits_that_its_defaults_meet(path: Path):
+    """`lab.papers.LIMITS` declares the range of every int or float knob of the notebook (the runner rejects an
+    override outside it before any kernel starts) or `FREE` names it; each limit reads declared parameters, and the
+    defaults meet it."""
+    from lab.core.params import check_limits, limit_names
+    from lab.core.runner import CONTRACT, defaults, limits_of
+    from lab.papers import FREE
+
+    base, limits = defaults(path), limits_of(path.stem)
+    named = {n for limit in limits for n in limit_names(limit)}
+    assert named <= set(base), f"limits name parameters {named - set(base)} the notebook does not declare"
+    free = set(FREE.get(path.stem, ()))
+    numeric = {k for k, v in base.items() if k not in CONTRACT and type(v) in (int, float)}
+    assert free <= numeric - named, f"FREE lists {sorted(free - (numeric - named))}: not free numeric knobs"
+    assert numeric - free <= named, f"knobs {sorted(numeric - free - named)} have no limits in lab/papers.py"
+    check_limits(limits, base)
+
+
 # ------------------------------------------------------------------ notebooks are thin drivers
 
 MAX_CELL_LINES = 15

@@ -1,4 +1,5 @@
-"""The five contract parameters every notebook takes, and their validation.
+"""The five contract parameters every notebook takes, and their validation; and the checks of each paper's own
+knobs (`check_type`, `check_limits`), which the runner applies before any kernel starts.
 
 `validate` is called twice with the same code: by the runner before any kernel starts (so a bad
 value costs nothing and writes nothing), and by `lab.core.setup` inside the notebook (so a user in
@@ -8,6 +9,7 @@ and the allowed ones.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from dataclasses import dataclass
@@ -110,3 +112,66 @@ def validate(scale: Any = "smoke", device: Any = "auto", seed: Any = 0, model: A
     control = check_control(control, controls)
     device = resolve_device(device) if resolve or device == "cuda" else check_device(device)
     return Params(scale=scale, device=device, seed=seed, model=model, control=control)
+
+
+# ------------------------------------------------------------------------------------- the papers' own knobs
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def check_type(name: str, value: Any, default: Any) -> Any:
+    """An override of a paper knob in its default's type: int for an int, int or float for a float (as a float),
+    bool for a bool; a string knob takes what was typed, as text (`-p data 2024`). Else one `ParamError`."""
+    kind = type(default)
+    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          str: value is not None and not isinstance(value, bool)}.get(kind, True)
+    if not ok:
+        raise ParamError(f"{name}={value!r} is not {_TYPE_NAMES[kind]} (its default is {default!r}).")
+    return float(value) if kind is float else str(value) if kind is str else value
+
+
+_OPS = {ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b,
+        ast.GtE: lambda a, b: a >= b, ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+        ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+
+
+def _value(node: ast.AST, params: dict[str, Any]) -> Any:
+    """A limit evaluated on `params`: `or` / `and` of chained comparisons (<, <=, >, >=) of arithmetic (+, −, ×, /)
+    on parameter names and numbers; anything else is a ValueError (a limit is data, not code)."""
+    if isinstance(node, ast.BoolOp):
+        parts = [_value(v, params) for v in node.values]
+        return any(parts) if isinstance(node.op, ast.Or) else all(parts)
+    if isinstance(node, ast.Compare) and all(type(op) in _OPS for op in node.ops):
+        vals = [_value(v, params) for v in (node.left, *node.comparators)]
+        return all(_OPS[type(op)](a, b) for op, a, b in zip(node.ops, vals, vals[1:]))
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_value(node.left, params), _value(node.right, params))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_value(node.operand, params)
+    if isinstance(node, ast.Name):
+        return params[node.id]
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    raise ValueError(f"{ast.unparse(node)!r}: a limit holds names, numbers, + - * /, <, <=, >, >=, and, or")
+
+
+def limit_names(limit: str) -> list[str]:
+    """The parameter names a limit ("1 <= held_out < n_pairs") reads, in order; ValueError if it is not a
+    comparison in `_value`'s grammar (no ==: "rounds <= 0 or rounds >= 8")."""
+    node = ast.parse(limit, mode="eval").body
+    if not isinstance(node, (ast.Compare, ast.BoolOp)):
+        raise ValueError(f"limit {limit!r} is not a comparison")
+    names = list(dict.fromkeys(n.id for n in ast.walk(node) if isinstance(n, ast.Name)))
+    _value(node, dict.fromkeys(names, 1))
+    return names
+
+
+def check_limits(limits: tuple[str, ...], params: dict[str, Any]) -> None:
+    """Each limit ("0 < s < 1", "1 <= held_out < n_pairs", "s <= 0.4 or 2 * k * s < 1 + k") holds for `params`,
+    else one `ParamError` naming the values and the limit (`lab.papers.LIMITS`; checked by the runner before
+    any kernel starts)."""
+    for limit in limits:
+        names = limit_names(limit)
+        if not _value(ast.parse(limit, mode="eval").body, params):
+            shown = ", ".join(f"{n}={params[n]!r}" for n in names)
+            raise ParamError(f"{shown}: out of range; this notebook needs {limit}.")

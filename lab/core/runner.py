@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from lab.core import zygote
-from lab.core.params import ParamError, validate
+from lab.core.params import ParamError, check_limits, check_type, validate
 
 CONTRACT = ("scale", "device", "seed", "model", "control")
 
@@ -83,17 +83,31 @@ def declared_controls(nb_path: Path) -> dict[str, list[str]]:
 
 
 def plan(paths: list[Path], overrides: dict) -> list[tuple[Path, dict, dict]]:
-    """(notebook, overrides, effective params) for each notebook, all validated before any run."""
+    """(notebook, overrides, effective params) for each notebook, all validated before any run: the contract
+    parameters (`validate`), and the paper's knobs: each override in its default's type (`check_type`), all of them
+    within the paper's limits (`lab.papers.LIMITS`)."""
     out = []
     for path in paths:
         base = defaults(path)
         unknown = [k for k in overrides if k not in base]
         if unknown:
             raise UsageError(f"{path.stem} has no parameter {unknown[0]!r}; its parameters are {', '.join(base)}.")
+        try:  # the paper's own knobs: each override in its default's type, then the paper's limits
+            overrides = {k: v if k in CONTRACT else check_type(k, v, base[k]) for k, v in overrides.items()}
+            check_limits(limits_of(path.stem), {**base, **overrides})
+        except ParamError as e:
+            raise ParamError(f"{path.stem}: {e}") from None
         params = {**base, **overrides}
         validate(*(params[k] for k in CONTRACT), controls=declared_controls(path), resolve=False)
         out.append((path, overrides, params))
     return out
+
+
+def limits_of(stem: str) -> tuple[str, ...]:
+    """The limits `lab.papers.LIMITS` declares for the notebook's knobs (none for a notebook it does not list)."""
+    from lab.papers import LIMITS
+
+    return LIMITS.get(stem, ())
 
 
 def title_of(nb) -> str:

@@ -49,3 +49,43 @@ def test_require_tiny_names_the_model_and_the_way_out(tmp_path):
     validate().require_tiny("x")  # tiny passes
     with pytest.raises(ParamError, match=r"model='gpt2' is not supported here yet: the LM path is not built; use"):
         validate(model="gpt2").require_tiny("the LM path is not built")
+
+
+@pytest.mark.parametrize("value, default, want", [
+    (3, 1, 3), (2, 0.5, 2.0), (0.25, 0.5, 0.25), (False, True, False), (2024, "", "2024"), ("x.jsonl", "", "x.jsonl")])
+def test_knob_overrides_take_their_defaults_type(value, default, want):
+    from lab.core.params import check_type
+
+    got = check_type("knob", value, default)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize("value, default", [("abc", 0.5), (2.5, 3), (True, 3), (True, 0.5), (1, True), (None, "")])
+def test_knob_overrides_of_another_type_are_one_sentence(value, default):
+    from lab.core.params import check_type
+
+    with pytest.raises(ParamError) as e:
+        check_type("knob", value, default)
+    assert str(e.value).startswith(f"knob={value!r} is not ") and "\n" not in str(e.value)
+
+
+def test_limits_are_chained_comparisons_checked_at_their_bounds():
+    from lab.core.params import check_limits, limit_names
+
+    limits = ("0 < s < 1", "1 <= held_out < n", "lr > 0", "-1 <= t", "s <= 0.4 or 2 * k * s < 1 + k",
+              "r <= 0 or r >= 8")
+    ok = {"s": 0.5, "held_out": 1, "n": 2, "lr": 1e-9, "t": -1, "k": 3.0, "r": 0}
+    check_limits(limits, ok)
+    for bad, words in [({"s": 0.0}, "s=0.0: out of range; this notebook needs 0 < s < 1."),
+                       ({"s": 1}, "needs 0 < s < 1"), ({"held_out": 2}, "held_out=2, n=2: out of range"),
+                       ({"held_out": 0}, "needs 1 <= held_out < n"), ({"lr": 0}, "lr=0"), ({"t": -1.5}, "t=-1.5"),
+                       ({"s": 0.7}, "s=0.7, k=3.0: out of range; this notebook needs s <= 0.4 or 2 \\* k \\* s"),
+                       ({"r": 3}, "r=3: out of range")]:
+        with pytest.raises(ParamError, match=words.replace("(", r"\(")):
+            check_limits(limits, {**ok, **bad})
+    check_limits(limits, {**ok, "s": 0.6, "r": 8})  # Olica's Q/K rank at k = 3 stays positive up to s < 2/3
+    assert limit_names("1 <= held_out < n") == ["held_out", "n"] and limit_names("s <= 0.4 or 2 * k * s < 1") == [
+        "s", "k"]
+    for wrong in ("s == 1", "s + 1", "f(s) < 1", "s", "s < 1 if s else 0", "s ** 2 < 1", "s < 'a'"):
+        with pytest.raises(ValueError):
+            limit_names(wrong)
