@@ -1,19 +1,20 @@
-"""`python -m lab run|list|report|sweep|audit|bench` — the runner users, tests and CI share.
+"""`python -m lab run|list|params|report|sweep|audit|bench` — the runner users, tests and CI share.
 
     python -m lab run 00_tour                    # one notebook (stem, or slug: `tour`)
     python -m lab run all -p seed 3 --out /tmp/r  # every notebook, a parameter override, another folder
     python -m lab list                           # notebooks, their papers, last recorded status
+    python -m lab params olica                   # a notebook's parameters (default, limits, meaning), controls
     python -m lab report                         # re-render HTML + index from executed notebooks
     python -m lab sweep hps --seeds 0-9          # seeds and declared controls -> notebooks/results/11_hps.json
     python -m lab audit all                      # claims on seeds 10-14, controls on seeds 1-2 -> reports/audit
     python -m lab bench NAME [options]           # a paper's benchmark (registered in lab.core.bench)
 
-`run` validates every parameter before any kernel starts (a bad value is one sentence on stderr,
-exit 2, nothing written), then for each notebook: papermill (kernel `python3`, cwd = the notebook's
-folder, a per-cell timeout) into `DIR/<stem>.ipynb`, the run record `DIR/<stem>.json` (params,
-seconds, status, claims, metrics), the offline page `DIR/<stem>.html`, and finally `DIR/index.html`.
-Exit 0 only if every notebook ran and every claim passed. A failed notebook keeps its executed copy
-(papermill marks the failing cell) and its record says `failed` (a claim did not hold) or `error`.
+`run` validates every parameter before any kernel starts (the contract's and the paper's knobs, against their types
+and `lab.papers.LIMITS`; a bad value is one sentence on stderr, exit 2, nothing written), then for each notebook:
+papermill (kernel `python3`, cwd = the notebook's folder, a per-cell timeout) into `DIR/<stem>.ipynb`, the run
+record `DIR/<stem>.json` (params, seconds, status, claims, metrics), the offline page `DIR/<stem>.html`, and finally
+`DIR/index.html`. Exit 0 only if every notebook ran and every claim passed. A failed notebook keeps its executed
+copy (papermill marks the failing cell) and its record says `failed` (a claim did not hold) or `error`.
 """
 
 from __future__ import annotations
@@ -139,6 +140,27 @@ def cmd_list(args) -> int:
     return 0
 
 
+def cmd_params(args) -> int:
+    """`params NAME`: what `-p` takes for one notebook — each parameter's default, the limits that read it
+    (`lab.papers.LIMITS`) and its comment from the parameters cell — and the controls with the claims each breaks."""
+    import papermill as pm
+
+    from lab.core.params import limit_names
+    from lab.core.runner import limits_of
+
+    [path] = resolve([args.name], args.notebooks) if args.name != "all" else [None]
+    if path is None:
+        raise UsageError("params takes one notebook.")
+    limits = limits_of(path.stem)
+    print(f"{path.stem}: python -m lab run {path.stem} -p NAME VALUE ...")
+    for name, p in pm.inspect_notebook(str(path)).items():
+        within = "; ".join(lim for lim in limits if name in limit_names(lim))
+        print(f"  {name} = {p['default']}" + (f"  [{within}]" if within else "") + f"\n      {p['help']}")
+    for control, claims in declared_controls(path).items():
+        print(f"  control {control!r} must break: " + "; ".join(claims))
+    return 0
+
+
 def cmd_report(args) -> int:
     from lab import report
 
@@ -203,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     aud.add_argument("--keep-runs", action="store_true", help="keep each run's notebook and record (path printed)")
     lst = sub.add_parser("list", help="notebooks, papers and last status")
     lst.add_argument("--out", default="reports")
+    prm = sub.add_parser("params", help="a notebook's parameters: defaults, limits, meaning; its controls")
+    prm.add_argument("name", help="one notebook stem or slug")
     rep = sub.add_parser("report", help="re-render HTML and the index from executed notebooks")
     rep.add_argument("--out", default="reports")
     bench = sub.add_parser("bench", help="a paper's benchmark, printed as ratios from one run", add_help=False,
@@ -217,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     args.options = rest
     try:
-        return {"run": cmd_run, "list": cmd_list, "report": cmd_report, "bench": cmd_bench,
+        return {"run": cmd_run, "list": cmd_list, "params": cmd_params, "report": cmd_report, "bench": cmd_bench,
                 "sweep": cmd_sweep, "audit": cmd_audit}[args.cmd](args)
     except (UsageError, ParamError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -196,6 +196,17 @@ def test_a_paper_knob_out_of_its_limits_or_type_is_refused_before_a_kernel_start
     assert not out.exists()
 
 
+def test_params_lists_each_knob_with_its_default_limits_and_meaning_and_the_controls():
+    proc = lab("params", "olica", nbdir=ROOT / "notebooks")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    i = lines.index("  s = 0.33  [0 < s < 1; s <= 0.4 or 2 * k * s < 1 + k]")
+    assert lines[i + 1].strip() == "target sparsity of all parameters (embeddings included)"
+    assert "  seed = 0" in lines and any(line.startswith("  control 'no_lc' must break: LC residual") for line in lines)
+    bad = lab("params", "nope", nbdir=ROOT / "notebooks")
+    assert bad.returncode == 2 and "no notebook named 'nope'" in bad.stderr
+
+
 @pytest.mark.parametrize("error", ["lab.core.ParamError", "__import__('lab.data.text').data.text.DataNotAvailable"])
 def test_a_notebook_that_refuses_its_input_is_one_sentence_and_writes_nothing(tmp_path, error):
     """Bad input found inside the kernel (a wrong model family, unreadable data) is one sentence, not a crash."""
