@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from lab.core import records
-from lab.core.params import Params, validate
+from lab.core.params import TINY, Params, validate
 
 log = logging.getLogger(__name__)
 _quiet = os.environ.get("LAB_QUIET", "") not in ("", "0")
@@ -68,6 +68,7 @@ def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str 
         torch.set_num_threads(threads)
     seed_everything(params.seed, cuda=params.device == "cuda")
     _headless_autoreload_off()
+    _library_notices(tiny=params.model == TINY)
     try:
         import plotly.io as pio
 
@@ -78,6 +79,32 @@ def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str 
     log.info("params: scale=%s device=%s seed=%d model=%s control=%r",
              params.scale, params.device, params.seed, params.model, params.control)
     return params
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *starts: str):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def _library_notices(tiny: bool) -> None:
+    """Silence what the pinned libraries print about each other, which a reader can do nothing about: peft reads
+    transformers' deprecated `is_gradient_checkpointing` (a FutureWarning in every LoRA arm), and transformers'
+    assisted generation passes its assistant both a `generation_config` and generation arguments (a deprecation
+    notice in every assisted `generate`). On the tiny path also transformers' progress bars, which saving and
+    reloading a model of a few kB drew into every report; a checkpoint's loading keeps its bar."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    logging.getLogger("transformers.generation.utils").addFilter(
+        _DropMessages("Passing `generation_config` together with generation-related"))
+    if tiny:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def _headless_autoreload_off() -> None:

@@ -68,6 +68,7 @@ def decode_seqs(task: PermutationChains, n: int, seed: int = 0, device: str = "c
 
 # ------------------------------------------------------------------------------------ measurements
 
+@torch.no_grad()
 def expert_activations(model: nn.Module, xs: list[Tensor], layers: tuple[int, ...],
                        experts: tuple[int, ...]) -> dict[tuple[int, int], dict[str, Tensor]]:
     """`floe.activations` (Eqs. 3–4) of each (layer, expert) on the tokens of xs[layer] routed to that expert."""

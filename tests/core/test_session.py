@@ -56,3 +56,31 @@ def test_autoreload_stays_on_interactively_and_is_off_under_the_runner(headless,
         monkeypatch.delenv(records.RECORD_FILE_ENV, raising=False)
     assert ip.magics_manager.registry["AutoreloadMagics"]._reloader.enabled is not headless
     ip.run_line_magic("autoreload", "0")
+
+
+def test_setup_silences_what_the_libraries_say_about_each_other_and_tiny_models_progress_bars(caplog):
+    """peft's read of a deprecated transformers attribute and transformers' own assisted-generation deprecation are
+    dropped; other warnings and log records pass; on the tiny path transformers draws no progress bars."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    try:
+        setup("smoke", "cpu", 0)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")
+            from lab.core import session
+
+            session._library_notices(tiny=True)  # catch_warnings restored the filters setup installed: again
+            warnings.warn("`is_gradient_checkpointing` is deprecated (v6).", FutureWarning, stacklevel=1)
+            warnings.warn("something else", FutureWarning, stacklevel=1)
+        assert [str(w.message) for w in seen] == ["something else"]
+        gen = logging.getLogger("transformers.generation.utils")
+        with caplog.at_level(logging.WARNING, logger=gen.name):
+            gen.warning("Passing `generation_config` together with generation-related arguments=({'x'}) is ...")
+            gen.warning("another notice")
+        assert [r.getMessage() for r in caplog.records if r.name == gen.name] == ["another notice"]
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()

@@ -79,6 +79,7 @@ def test_toy_data_draws_calibration_then_evaluation():
 
 def test_expert_activations_by_token(model, xs):
     acts = fb.expert_activations(model, xs, (1, 2), (0, 3))
+    assert not any(t.requires_grad for a in acts.values() for t in a.values())  # measurements: no autograd graph
     assert list(acts) == [(1, 0), (1, 3), (2, 0), (2, 3)]
     mlp = blocks.moe_blocks(model)[2]
     Wg, Wu, _ = blocks.weights(mlp, 3)
