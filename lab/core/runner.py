@@ -110,6 +110,18 @@ def limits_of(stem: str) -> tuple[str, ...]:
     return LIMITS.get(stem, ())
 
 
+def check_knobs(path: Path, values: dict) -> None:
+    """The notebook's own knobs as they stand in `values` (a kernel's namespace) against their defaults' types and
+    the paper's limits: what `plan` checks for `-p` overrides, for a notebook edited in JupyterLab (`setup` calls
+    it there). One `ParamError` sentence."""
+    base = defaults(path)
+    now = {k: values.get(k, v) for k, v in base.items()}
+    for k, v in now.items():
+        if k not in CONTRACT:
+            check_type(k, v, base[k])
+    check_limits(limits_of(path.stem), now)
+
+
 def title_of(nb) -> str:
     for cell in nb.cells:
         if cell.cell_type == "markdown":

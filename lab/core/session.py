@@ -49,6 +49,7 @@ def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str 
     """
     global _quiet
     params = validate(scale, device, seed, model, control, controls)
+    _interactive_knobs()
     records.start(params.control, tuple((controls or {}).get(params.control, ())))
     if params.device != "cuda":  # Triton kernels (lab/kernels/) then run on CPU through the interpreter; the flag is
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton first loads (set_seed, torch.compile, ...)
@@ -79,6 +80,26 @@ def setup(scale: str = "smoke", device: str = "auto", seed: int = 0, model: str 
     log.info("params: scale=%s device=%s seed=%d model=%s control=%r",
              params.scale, params.device, params.seed, params.model, params.control)
     return params
+
+
+def _interactive_knobs() -> None:
+    """In JupyterLab (the kernel knows its notebook: `JPY_SESSION_NAME`), the paper's knobs as the parameters cell now
+    sets them are checked as the runner checks `-p` overrides (`runner.check_knobs`). Under the runner they already
+    were; a kernel without a notebook file (a console) has nothing to check."""
+    from pathlib import Path
+
+    name = os.environ.get("JPY_SESSION_NAME", "")
+    if os.environ.get(records.RECORD_FILE_ENV) or not name.endswith(".ipynb") or not Path(name).is_file():
+        return
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is not None:
+        from lab.core.runner import check_knobs
+
+        check_knobs(Path(name), ip.user_ns)
 
 
 class _DropMessages(logging.Filter):

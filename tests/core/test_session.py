@@ -88,3 +88,32 @@ def test_setup_silences_what_the_libraries_say_about_each_other_and_tiny_models_
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def test_setup_in_jupyterlab_checks_the_papers_knobs_as_the_parameters_cell_sets_them(monkeypatch):
+    """A notebook edited in JupyterLab (its kernel's JPY_SESSION_NAME): `s = 1.5` in Olica's parameters cell is one
+    ParamError at the setup cell, as `-p s 1.5` is for the runner; the defaults pass; under the runner it is left
+    to the runner."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import IPython
+
+    from lab.core import records
+
+    nb = Path(__file__).resolve().parents[2] / "notebooks" / "07_olica.ipynb"
+    ns = {"s": 0.33, "k": 3.0, "mlp_num": 3, "lc_ratio": 0.1}
+    shell = SimpleNamespace(user_ns=ns, extension_manager=SimpleNamespace(loaded=set()))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+    monkeypatch.setenv("JPY_SESSION_NAME", str(nb))
+    monkeypatch.delenv(records.RECORD_FILE_ENV, raising=False)
+    setup("smoke", "cpu", 0)
+    for bad, words in [({"s": 1.5}, "s=1.5: out of range; this notebook needs 0 < s < 1."),
+                       ({"mlp_num": "3"}, "mlp_num='3' is not an integer (its default is 3).")]:
+        ns.update(bad)
+        with pytest.raises(ParamError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            setup("smoke", "cpu", 0)
+        monkeypatch.setenv(records.RECORD_FILE_ENV, "/dev/null")  # the runner checked them before the kernel
+        setup("smoke", "cpu", 0)
+        monkeypatch.delenv(records.RECORD_FILE_ENV)
+        ns.update({"s": 0.33, "mlp_num": 3})
