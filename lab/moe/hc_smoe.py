@@ -142,7 +142,7 @@ def cluster(feats: Tensor, r: int, *, method: str = "hierarchical", link: str = 
     X = feats.double().cpu().numpy()
     E = len(X)
     if not 1 <= r <= E:
-        raise ValueError(f"r={r} must be between 1 and the number of experts {E}.")
+        raise params.ParamError(f"r={r} experts per layer: it must be between 1 and the model's {E} experts.")
     if method == "hierarchical":
         Z = linkage(X, method=link, metric="euclidean")
         labels = fcluster(Z, r, criterion="maxclust")

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lab.core.params import ParamError
 from lab.models.zoo import tiny_qwen2_moe
 from lab.moe import blocks
 from lab.moe import hc_merge as hm
@@ -52,6 +53,8 @@ def test_hierarchical_is_what_runs_not_kmeans(monkeypatch):
         hc.cluster(X, 3, method="kmeans")
     with pytest.raises(ValueError):
         hc.cluster(X, 3, method="hirarchical")  # the typo is an error here, not a silent fallthrough
+    with pytest.raises(ParamError, match="r=9 experts per layer: it must be between 1 and the model's 8 experts"):
+        hc.cluster(X, 9)  # `-p r 9`: one sentence from the runner, no report
 
 
 def test_average_linkage_differs_from_kmeans_on_a_chain():
