@@ -138,19 +138,21 @@ def complete_json(backend: Backend, messages: Messages, keys: tuple[str, ...] | 
 
 
 def from_spec(spec: str, offline: dict[str, Backend] | None = None, *, device: str = "cpu") -> Backend:
-    """A notebook's `agent` parameter as a backend: a key of `offline`, `openai[:<model>]`, or a folder / hub id."""
+    """A notebook's `agent` parameter as a backend: a key of `offline`, `openai[:<model>]`, or a folder / hub id; a
+    spec none of them serves is one `ParamError` sentence (bad input: the runner writes no report)."""
     offline = offline or {}
     if spec in offline:
         return offline[spec]
     if spec == "openai" or spec.startswith("openai:"):
         return OpenAIHTTP(spec.partition(":")[2] or None)
+    from lab.core.params import ParamError
     from lab.models.pretrained import ModelNotAvailable
 
     try:
         return LocalLM(spec, device=device)
     except ModelNotAvailable as e:
         names = ", ".join(map(repr, offline)) or "none"
-        raise BackendError(f"agent {spec!r} is not an offline agent ({names}), not 'openai[:<model>]', and {e}") from e
+        raise ParamError(f"agent {spec!r} is not an offline agent ({names}), not 'openai[:<model>]', and {e}") from e
 
 
 def serve(backend: Backend, *, host: str = "127.0.0.1", port: int = 0) -> tuple[ThreadingHTTPServer, str]:

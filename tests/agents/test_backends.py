@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lab.agents.backends import BackendError, LocalLM, Offline, OpenAIHTTP, complete_json, first_json, from_spec, serve
+from lab.core.params import ParamError
 
 WORDS = "user system assistant : is the answer yes no one two three { } \" , a b c".split()
 
@@ -76,5 +77,5 @@ def test_from_spec_names_what_it_accepts(tiny, tmp_path):
     rule = Offline(lambda m: "{}", "template")
     assert from_spec("template", {"template": rule}) is rule
     assert isinstance(from_spec(tiny), LocalLM)
-    with pytest.raises(BackendError, match="not an offline agent \\('template'\\)"):
+    with pytest.raises(ParamError, match="not an offline agent \\('template'\\)"):  # bad input: no report
         from_spec(str(tmp_path / "missing-model"), {"template": rule})
