@@ -26,7 +26,17 @@ from pathlib import Path
 
 from lab.core import zygote
 from lab.core.params import ParamError
-from lab.core.runner import UsageError, declared_controls, notebooks, parse_value, plan, resolve, run_one, title_of
+from lab.core.runner import (
+    UsageError,
+    declared_controls,
+    notebooks,
+    parse_value,
+    plan,
+    resolve,
+    run_one,
+    title_of,
+    unused_on_tiny,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -37,6 +47,10 @@ def cmd_run(args) -> int:
 
     overrides = {k: parse_value(v) for k, v in args.param}
     todo = plan(resolve(args.names, args.notebooks), overrides)  # raises before anything is written
+    for path, ov, params in todo:
+        if unused := unused_on_tiny(path, ov, params):
+            print(f"note: {path.stem}: {', '.join(unused)} serve(s) the checkpoint path only; model='tiny' ignores "
+                  "them.", file=sys.stderr)
     out = Path(args.out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)

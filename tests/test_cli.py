@@ -196,6 +196,15 @@ def test_a_paper_knob_out_of_its_limits_or_type_is_refused_before_a_kernel_start
     assert not out.exists()
 
 
+def test_checkpoint_only_knobs_on_the_tiny_path_are_named_not_silently_ignored():
+    from lab.core.runner import unused_on_tiny
+
+    nb = ROOT / "notebooks" / "05_floe.ipynb"
+    over = {"n_blocks": 3, "k": 0.7, "dtype": "bfloat16"}
+    assert unused_on_tiny(nb, over, {"model": "tiny"}) == ["n_blocks", "dtype"]  # k is the toy's too
+    assert unused_on_tiny(nb, over, {"model": "/some/checkpoint"}) == []
+
+
 def test_params_lists_each_knob_with_its_default_limits_and_meaning_and_the_controls():
     proc = lab("params", "olica", nbdir=ROOT / "notebooks")
     assert proc.returncode == 0, proc.stderr

@@ -61,6 +61,20 @@ def defaults(nb_path: Path) -> dict:
     return {k: ast.literal_eval(v["default"]) for k, v in params.items()}
 
 
+CHECKPOINT_ONLY = ("checkpoint only", "checkpoint:", "checkpoint path:")  # how a knob's comment says it
+
+
+def unused_on_tiny(nb_path: Path, overrides: dict, params: dict) -> list[str]:
+    """The overridden knobs whose parameters-cell comment says they serve the checkpoint path only, when the run is
+    the tiny one (`model="tiny"`): the runner names them, as a note, rather than let them pass unnoticed."""
+    import papermill as pm
+
+    if params.get("model") != "tiny":
+        return []
+    helps = {k: v["help"].lower() for k, v in pm.inspect_notebook(str(nb_path)).items()}
+    return [k for k in overrides if helps.get(k, "").startswith(CHECKPOINT_ONLY)]
+
+
 def declared_controls(nb_path: Path) -> dict[str, list[str]]:
     """The `controls={...}` literal of the notebook's `lab.core.setup(...)` call: `{name: [claims it breaks]}`."""
     import nbformat
