@@ -110,8 +110,10 @@ LIMITS: dict[str, tuple[str, ...]] = {
     "04_emi": ("n_queries >= 0", "max_new_tokens >= 0", "club_steps >= 0"),
     "05_floe": ("0 < k < 1", "pcie_gbps > 0", *_BLOCKS),
     "06_hc_smoe": ("r >= 1", *_BLOCKS),  # r < the model's experts per layer: checked by hc_smoe.cluster
-    # Olica's sr_allocation: above s = 0.4 the Q/K sparsity is 2ks/(1+k), which must stay below 1
-    "07_olica": ("0 < s < 1", "k >= 0", "s <= 0.4 or 2 * k * s < 1 + k", "mlp_num >= 0", "0 < lc_ratio <= 1"),
+    # Olica's sr_allocation: the V/O sparsity 2s/(1+k) and, above s = 0.4, the Q/K sparsity 2ks/(1+k) stay below 1
+    # (whether a head keeps a neuron at the model's head dim: olica.make_plan)
+    "07_olica": ("0 < s < 1", "k >= 0", "2 * s < 1 + k", "s <= 0.4 or 2 * k * s < 1 + k", "mlp_num >= 0",
+                 "0 < lc_ratio <= 1"),
     "08_latent_tokens": ("n_problems >= 1", "ft_steps >= 1"),
     # Little-Zoo: 5 goals leave every family one; above 620,816 the held-out grow-plant family runs out of distinct
     # goals; learning-progress snapshots are taken every 8 rounds (0 rounds: the scale's)

@@ -196,6 +196,16 @@ def test_a_paper_knob_out_of_its_limits_or_type_is_refused_before_a_kernel_start
     assert not out.exists()
 
 
+def test_each_notebook_types_its_own_knobs():
+    """`run olica over_tokenized -p k 2`: k is Olica's float and Over-Tokenized's int; one notebook's conversion
+    must not reach the next (it refused 17 with 'k=2.0 is not an integer')."""
+    from lab.core.runner import plan, resolve
+
+    todo = plan(resolve(["olica", "over_tokenized"], ROOT / "notebooks"), {"k": 2})
+    assert [(p.stem, ov["k"], type(ov["k"])) for p, ov, _ in todo] == [("07_olica", 2.0, float),
+                                                                      ("17_over_tokenized", 2, int)]
+
+
 def test_checkpoint_only_knobs_on_the_tiny_path_are_named_not_silently_ignored():
     from lab.core.runner import unused_on_tiny
 
@@ -209,7 +219,7 @@ def test_params_lists_each_knob_with_its_default_limits_and_meaning_and_the_cont
     proc = lab("params", "olica", nbdir=ROOT / "notebooks")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    i = lines.index("  s = 0.33  [0 < s < 1; s <= 0.4 or 2 * k * s < 1 + k]")
+    i = lines.index("  s = 0.33  [0 < s < 1; 2 * s < 1 + k; s <= 0.4 or 2 * k * s < 1 + k]")
     assert lines[i + 1].strip() == "target sparsity of all parameters (embeddings included)"
     assert "  seed = 0" in lines and any(line.startswith("  control 'no_lc' must break: LC residual") for line in lines)
     bad = lab("params", "nope", nbdir=ROOT / "notebooks")

@@ -182,6 +182,12 @@ def make_plan(model: nn.Module, s: float, k: float, lc_layers=(), lc_ratio: floa
     dh = d // H
     s_qk, s_vp = sr_allocation(s, k)
     r, dv, r_lc = math.ceil((1 - s_qk) * d / 2), round((1 - s_vp) * dh), int(lc_ratio * d)
+    if r < 1 or dv < 1:
+        from lab.core.params import ParamError
+
+        raise ParamError(f"s={s:g}, k={k:g} leave {'no Q/K rank' if r < 1 else 'no V/O neuron per head'} at this "
+                         f"model's hidden {d} and head dim {dh} (Q/K sparsity {s_qk:.3f}, V/O {s_vp:.3f}); lower s "
+                         "or change k.")
     total = om.n_params(model)
     fixed = total - L * (4 * d * d + 3 * d * F)  # embeddings, head, norms
     mlp = (1 - s) * total - fixed - L * (4 * r * d + 2 * d * H * dv) - 2 * d * r_lc * len(lc_layers)

@@ -106,14 +106,14 @@ def plan(paths: list[Path], overrides: dict) -> list[tuple[Path, dict, dict]]:
         unknown = [k for k in overrides if k not in base]
         if unknown:
             raise UsageError(f"{path.stem} has no parameter {unknown[0]!r}; its parameters are {', '.join(base)}.")
-        try:  # the paper's own knobs: each override in its default's type, then the paper's limits
-            overrides = {k: v if k in CONTRACT else check_type(k, v, base[k]) for k, v in overrides.items()}
-            check_limits(limits_of(path.stem), {**base, **overrides})
+        try:  # the paper's own knobs: each override in its default's type (this notebook's), then its limits
+            ov = {k: v if k in CONTRACT else check_type(k, v, base[k]) for k, v in overrides.items()}
+            check_limits(limits_of(path.stem), {**base, **ov})
         except ParamError as e:
             raise ParamError(f"{path.stem}: {e}") from None
-        params = {**base, **overrides}
+        params = {**base, **ov}
         validate(*(params[k] for k in CONTRACT), controls=declared_controls(path), resolve=False)
-        out.append((path, overrides, params))
+        out.append((path, ov, params))
     return out
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from lab.core import records
-from lab.core.params import TINY, Params, validate
+from lab.core.params import TINY, ParamError, Params, validate
 
 log = logging.getLogger(__name__)
 _quiet = os.environ.get("LAB_QUIET", "") not in ("", "0")
@@ -88,18 +88,25 @@ def _interactive_knobs() -> None:
     were; a kernel without a notebook file (a console) has nothing to check."""
     from pathlib import Path
 
+    from lab.papers import LIMITS
+
     name = os.environ.get("JPY_SESSION_NAME", "")
-    if os.environ.get(records.RECORD_FILE_ENV) or not name.endswith(".ipynb") or not Path(name).is_file():
-        return
+    if os.environ.get(records.RECORD_FILE_ENV) or Path(name).stem not in LIMITS or not Path(name).is_file():
+        return  # the runner's run, a console, or a notebook that is not one of the lab's (a scratch copy)
     try:
         from IPython import get_ipython
     except ImportError:
         return
     ip = get_ipython()
     if ip is not None:
-        from lab.core.runner import check_knobs
+        from lab.core.runner import UsageError, check_knobs
 
-        check_knobs(Path(name), ip.user_ns)
+        try:
+            check_knobs(Path(name), ip.user_ns)
+        except ParamError:
+            raise
+        except (UsageError, ValueError, SyntaxError):  # a parameters cell being edited (unparsable): nothing to check
+            pass
 
 
 class _DropMessages(logging.Filter):
@@ -116,16 +123,16 @@ def _library_notices(tiny: bool) -> None:
     transformers' deprecated `is_gradient_checkpointing` (a FutureWarning in every LoRA arm), and transformers'
     assisted generation passes its assistant both a `generation_config` and generation arguments (a deprecation
     notice in every assisted `generate`). On the tiny path also transformers' progress bars, which saving and
-    reloading a model of a few kB drew into every report; a checkpoint's loading keeps its bar."""
+    reloading a model of a few kB drew into every report; a checkpoint's run (setup again) turns them back on."""
     import warnings
 
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    logging.getLogger("transformers.generation.utils").addFilter(
-        _DropMessages("Passing `generation_config` together with generation-related"))
-    if tiny:
-        from transformers.utils import logging as hf_logging
+    gen = logging.getLogger("transformers.generation.utils")
+    if not any(isinstance(f, _DropMessages) for f in gen.filters):
+        gen.addFilter(_DropMessages("Passing `generation_config` together with generation-related"))
+    from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+    (hf_logging.disable_progress_bar if tiny else hf_logging.enable_progress_bar)()
 
 
 def _headless_autoreload_off() -> None:

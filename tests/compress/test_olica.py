@@ -45,6 +45,16 @@ def test_full_ond_keeps_every_head_product():
         assert torch.allclose(no[:, r] @ nv[r], wo[:, r] @ wv[r], atol=1e-4)
 
 
+def test_a_sparsity_that_leaves_a_head_no_neuron_is_one_sentence():
+    """s = 0.74 at k = 0.5 meets 2s < 1 + k (lab.papers' limit) but leaves 0.013 of a head's 8 V/O neurons: refused
+    by the plan, not by a zero-width Linear mid-run."""
+    from lab.core.params import ParamError
+
+    with pytest.raises(ParamError, match="no V/O neuron per head at this model's hidden 32 and head dim 8"):
+        ol.make_plan(_tiny(), 0.74, 0.5)
+    assert ol.make_plan(_tiny(), 0.33, 3.0).d_v >= 1
+
+
 def test_ond_rotation_leaves_the_logits_unchanged():
     m, ids = _tiny(), torch.randint(1, 50, (3, 12))
     exact = ols.ond_exactness(m, ids)

@@ -52,7 +52,8 @@ def test_require_tiny_names_the_model_and_the_way_out(tmp_path):
 
 
 @pytest.mark.parametrize("value, default, want", [
-    (3, 1, 3), (2, 0.5, 2.0), (0.25, 0.5, 0.25), (False, True, False), (2024, "", "2024"), ("x.jsonl", "", "x.jsonl")])
+    (3, 1, 3), (2, 0.5, 2.0), (0.25, 0.5, 0.25), (False, True, False), (2024, "", "2024"), ("x.jsonl", "", "x.jsonl"),
+    (None, "", "")])
 def test_knob_overrides_take_their_defaults_type(value, default, want):
     from lab.core.params import check_type
 
@@ -60,7 +61,7 @@ def test_knob_overrides_take_their_defaults_type(value, default, want):
     assert got == want and type(got) is type(want)
 
 
-@pytest.mark.parametrize("value, default", [("abc", 0.5), (2.5, 3), (True, 3), (True, 0.5), (1, True), (None, "")])
+@pytest.mark.parametrize("value, default", [("abc", 0.5), (2.5, 3), (True, 3), (True, 0.5), (1, True), (True, "")])
 def test_knob_overrides_of_another_type_are_one_sentence(value, default):
     from lab.core.params import check_type
 
@@ -84,6 +85,7 @@ def test_limits_are_chained_comparisons_checked_at_their_bounds():
         with pytest.raises(ParamError, match=words.replace("(", r"\(")):
             check_limits(limits, {**ok, **bad})
     check_limits(limits, {**ok, "s": 0.6, "r": 8})  # Olica's Q/K rank at k = 3 stays positive up to s < 2/3
+    check_limits(limits, {k: v for k, v in ok.items() if k != "k"})  # a copy without knob k: its limit is moot
     assert limit_names("1 <= held_out < n") == ["held_out", "n"] and limit_names("s <= 0.4 or 2 * k * s < 1") == [
         "s", "k"]
     for wrong in ("s == 1", "s + 1", "f(s) < 1", "s", "s < 1 if s else 0", "s ** 2 < 1", "s < 'a'"):

@@ -62,6 +62,7 @@ def test_setup_silences_what_the_libraries_say_about_each_other_and_tiny_models_
     """peft's read of a deprecated transformers attribute and transformers' own assisted-generation deprecation are
     dropped; other warnings and log records pass; on the tiny path transformers draws no progress bars."""
     import warnings
+    from pathlib import Path
 
     from transformers.utils import logging as hf_logging
 
@@ -86,11 +87,13 @@ def test_setup_silences_what_the_libraries_say_about_each_other_and_tiny_models_
             gen.removeHandler(got)
         assert got.seen == ["another notice"]
         assert not hf_logging.is_progress_bar_enabled()
+        setup("smoke", "cpu", 0, model=str(Path(__file__).parent))  # then a checkpoint's run: its loading bar back
+        assert hf_logging.is_progress_bar_enabled() and len(gen.filters) == 1  # the filter once, however often
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
 
 
-def test_setup_in_jupyterlab_checks_the_papers_knobs_as_the_parameters_cell_sets_them(monkeypatch):
+def test_setup_in_jupyterlab_checks_the_papers_knobs_as_the_parameters_cell_sets_them(monkeypatch, tmp_path):
     """A notebook edited in JupyterLab (its kernel's JPY_SESSION_NAME): `s = 1.5` in Olica's parameters cell is one
     ParamError at the setup cell, as `-p s 1.5` is for the runner; the defaults pass; under the runner it is left
     to the runner."""
@@ -117,3 +120,10 @@ def test_setup_in_jupyterlab_checks_the_papers_knobs_as_the_parameters_cell_sets
         setup("smoke", "cpu", 0)
         monkeypatch.delenv(records.RECORD_FILE_ENV)
         ns.update({"s": 0.33, "mlp_num": 3})
+    scratch = tmp_path / "scratch.ipynb"  # not one of the lab's notebooks (no parameters cell): setup as before
+    scratch.write_text(nb.read_text().replace('"parameters"', '"params"'))
+    monkeypatch.setenv("JPY_SESSION_NAME", str(scratch))
+    setup("smoke", "cpu", 0)
+    monkeypatch.setenv("JPY_SESSION_NAME", str(tmp_path / "07_olica.ipynb"))  # a copy being edited, cell untagged
+    (tmp_path / "07_olica.ipynb").write_text(scratch.read_text())
+    setup("smoke", "cpu", 0)
