@@ -78,6 +78,8 @@ def checkpoint(model: str, data: str, cfg: Config, *, steps: int = 20, lr: float
         opt.zero_grad(set_to_none=True)
     q = acc.unwrap_model(q).eval()
     res["loss"]["RoSTE (after QA-SFT)"] = lm_loss(q, ev)
+    del net, opt  # the FP model and AdamW's moments: freed before `save` reloads a copy beside q on its device
+    acc.free_memory()
     res["saved"] = save(q, tok, rot, out_dir or None, ids=ev[:2])
     return res
 
