@@ -81,6 +81,27 @@ def test_every_numeric_knob_has_limits_that_its_defaults_meet(path: Path):
     check_limits(limits, base)
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_no_cell_rebinds_a_parameter(path: Path):
+    """A parameter means one thing in the whole notebook: no later cell assigns its name (a loop over λ that left
+    `lam` at its last value; InfAlign's table loop left `K = 'exact'`, which a re-run setup cell then refused).
+    Comprehension variables do not leak and are allowed."""
+    import ast
+
+    nb, names = nbformat.read(str(path), as_version=4), None
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        tree = ast.parse(_code(cell.source))
+        if "parameters" in cell.metadata.get("tags", []):
+            names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            continue
+        scoped = {id(n) for c in ast.walk(tree) if isinstance(c, ast.comprehension) for n in ast.walk(c.target)}
+        bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+                 and id(n) not in scoped}
+        assert not bound & (names or set()), f"code cell {i} rebinds the parameter(s) {sorted(bound & names)}"
+
+
 # ------------------------------------------------------------------ notebooks are thin drivers
 
 MAX_CELL_LINES = 15
