@@ -147,9 +147,13 @@ def verdict() -> dict:
               for n in result["sanity_failed"]]
     if "control" in result:
         c = result["control"]
+        held = [n for n in c["survived"] if n in claims]
+        unmeasured = [n for n in c["survived"] if n not in claims]  # e.g. a claim named after a knob set otherwise
         head = (f"control run '{c['name']}': {len(c['broken'])}/{len(c['must_break'])} of the claims it must "
                 f"break failed" + (" (as they must)." if not c["survived"] else
-                                   f"; it did NOT break: {', '.join(c['survived'])}."))
+                                   (f"; it did NOT break: {', '.join(held)}." if held else "") +
+                                   (f"; never measured in this run (its parameters differ from those the control "
+                                    f"names them at?): {', '.join(unmeasured)}." if unmeasured else "")))
         lines.insert(0, head)
         rec = {"kind": "control", "name": "control", "value": c}
         _emit(rec, "\n".join(lines), f"<pre class='lab-verdict'>{html.escape(chr(10).join(lines))}</pre>")

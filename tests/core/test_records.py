@@ -52,6 +52,13 @@ def test_a_control_run_always_raises_and_says_what_it_broke():
     check("H1", 0.1, ">=", 1.0)
     with pytest.raises(ClaimFailed, match=r"1/1 of the claims it must break failed \(as they must\)"):
         verdict()
+    start("uniform", ("H1", "H at k = 0.8"))  # a claim named after a knob the run set otherwise: not measured
+    check("H1", 0.1, ">=", 1.0)
+    check("H at k = 0.7", 0.1, ">=", 1.0)
+    with pytest.raises(ClaimFailed) as e:
+        verdict()
+    assert "did NOT break" not in str(e.value) and "never measured in this run" in str(e.value)
+    assert str(e.value).splitlines()[0].endswith(": H at k = 0.8.")
     start()
 
 
