@@ -17,6 +17,7 @@ LOSSES = {
     "fdpo_js": losses.fdpo_js,
     "rpo": losses.rpo,
     "pl": losses.plackett_luce,
+    "tdpo": losses.tdpo,
     "expo": expo.expo,
     "hps": hps.hps,
 }

@@ -23,6 +23,10 @@ Documented difference: the official mean runs over all positions, prompt include
 log 2 per position), so its loss and gradient are ours times L / (P + L) (6/13 here, ≈ 2.2× smaller); Adam's
 update is invariant to a constant loss scale (up to its ε and gradient clipping), so the lr sweep is unaffected.
 
+Baselines (Table 3): DPO, RPO (DPO + the chosen response's per-token NLL) and TokenDPO (TDPO2 of Zeng et al. 2024,
+`lab.align.losses.tdpo`, α = 0.5, β = γ), each swept like cDPO. The paper starts TokenDPO from its SFT model; here
+every arm starts from the base, so that the arms differ in their loss alone (SFT itself, P_p, is reported beside).
+
 Toy conventions (documented differences): full fine-tuning of copies instead of LoRA; fixed-length
 responses, so no padding enters the position-wise mean; grading by the final digit (`TrickyArithmetic`);
 every arm swept over a shared lr grid including lr = 0 (the base), its lr picked on validation questions.
@@ -63,7 +67,7 @@ class Config:
     1–2, responses opened by one of 48 free wording tokens, so that a chosen and a rejected trajectory part before
     the critical token and a rare wording is as improbable under P_p as a wrong operation): a 1-layer Llama base
     trained on its noisy traces, N samples per training question, P_p / P_n by SFT,
-    K rollouts per prefix on up to `n_rollout` rejected trajectories, the four arms over an lr sweep (lr = 0 is
+    K rollouts per prefix on up to `n_rollout` rejected trajectories, the arms over an lr sweep (lr = 0 is
     the base; each arm's lr picked on `n_val` validation questions, accuracy reported on `n_test` others)."""
 
     flip: float = 0.6
@@ -80,7 +84,7 @@ class Config:
     sft_batch: int = 32
     K: int = 16  # rollouts per prefix
     n_rollout: int = 100  # rejected trajectories studied by rollouts (at most)
-    arms: tuple[str, ...] = ("dpo", "rpo", "cdpo", "cdpo_positionwise")
+    arms: tuple[str, ...] = ("dpo", "rpo", "tokendpo", "cdpo", "cdpo_positionwise")
     lrs: tuple[float, ...] = (0.0, 3e-5, 1e-4, 3e-4, 1e-3)  # lr = 0: the base itself (1e-5 left it unchanged)
     steps: int = 150  # preference training, every arm and lr
     batch_size: int = 32
@@ -155,8 +159,9 @@ def cdpo_loss(pi_w: Tensor, ref_w: Tensor, pi_l: Tensor, ref_l: Tensor, s: Tenso
     raise ValueError(f"variant={variant!r} is not 'paper' or 'official_positionwise'.")
 
 
-def arm_loss(arm: str, pi_w, ref_w, pi_l, ref_l, s, *, gamma: float) -> Tensor:
-    """Mean loss of one batch for an arm: dpo, rpo (NLL weight 1 per token), cdpo, cdpo_positionwise."""
+def arm_loss(arm: str, pi_w, ref_w, pi_l, ref_l, s, *, gamma: float, kl: Tensor | None = None) -> Tensor:
+    """Mean loss of one batch for an arm: dpo, rpo (NLL weight 1 per token), cdpo, cdpo_positionwise, tokendpo
+    (TDPO2, α = 0.5, β = γ; `kl` (B, 2): the sequential KLs of the chosen and the rejected responses)."""
     from lab.align import LOSSES
 
     if arm.startswith("cdpo"):
@@ -164,6 +169,8 @@ def arm_loss(arm: str, pi_w, ref_w, pi_l, ref_l, s, *, gamma: float) -> Tensor:
         return cdpo_loss(pi_w, ref_w, pi_l, ref_l, s, gamma=gamma, variant=variant).mean()
     pi = torch.stack([pi_w.sum(-1), pi_l.sum(-1)], 1)  # (B, 2) sequence log-probs
     ref = torch.stack([ref_w.sum(-1), ref_l.sum(-1)], 1)
+    if arm == "tokendpo":
+        return LOSSES["tdpo"](pi, ref, beta=gamma, kl=kl).mean()
     extra = {"chosen_len": torch.full((len(pi),), float(pi_w.shape[1]), device=pi.device)} if arm == "rpo" else {}
     return LOSSES[arm](pi, ref, beta=gamma, **extra).mean()
 
@@ -185,10 +192,13 @@ def fine_tune(model, prompts: Tensor, responses: Tensor, *, steps: int, lr: floa
 
 
 def train_arm(base, pairs: dict[str, Tensor], arm: str, *, gamma: float, **kw) -> tuple[torch.nn.Module, dict]:
-    """One arm (dpo, rpo, cdpo, cdpo_positionwise) from `base` on pairs {prompt, chosen, rejected, s}
+    """One arm (dpo, rpo, cdpo, cdpo_positionwise, tokendpo) from `base` on pairs {prompt, chosen, rejected, s}
     (`lab.align.train.train_pairs`: the policy and its chosen / rejected log-likelihood log)."""
-    return train_pairs(base, pairs, lambda b: arm_loss(arm, b["pi_w"], b["ref_w"], b["pi_l"], b["ref_l"], b.get("s"),
-                                                       gamma=gamma), desc=arm, **kw)
+    def loss(b: dict[str, Tensor]) -> Tensor:
+        kl = torch.stack([b["kl_w"], b["kl_l"]], 1) if arm == "tokendpo" else None
+        return arm_loss(arm, b["pi_w"], b["ref_w"], b["pi_l"], b["ref_l"], b.get("s"), gamma=gamma, kl=kl)
+
+    return train_pairs(base, pairs, loss, desc=arm, kl=arm == "tokendpo", **kw)
 
 
 # ------------------------------------------------------------------- the toy's pipeline (§2, §3, Table 3)

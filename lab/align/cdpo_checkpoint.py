@@ -26,12 +26,13 @@ containing it that end wrong — beside the problem's wrong share and the same f
 
 **cDPO** (§3.2, Eq. 6; `train_arm`). Pairs (most frequent correct, most frequent wrong trajectory) where a problem has
 both; the rejected side weighted token by token by 1 − s_t (`lab.align.cdpo.cdpo_loss`, the paper's sequence sums),
-and DPO as the same loop with every s_t = 0 (Eq. 6 is then DPO), each a LoRA arm on the same `PeftModel` (π_ref: its
-adapters off) on the same token ids. `hf_prefs.evaluate` compares them and P_p (the SFT row of Table 3) on the
-held-out problems' pairs, with the sampled accuracy on those problems.
+and DPO as the same loop with every s_t = 0 (Eq. 6 is then DPO), and TokenDPO (TDPO2, `lab.align.losses.tdpo`,
+β = γ; from the policy, as DPO and cDPO, where the paper starts it from SFT), each a LoRA arm on the same `PeftModel`
+(π_ref: its adapters off) on the same token ids. `hf_prefs.evaluate` compares them and P_p (the SFT row of Table 3)
+on the held-out problems' pairs, with the sampled accuracy on those problems.
 
 Not built: the rollouts of §2 (K samples per prefix: the ground truth CE approximates), greedy accuracy with
-few-shot CoT prompts, stop strings for base models, RPO and TokenDPO arms. Measurements only.
+few-shot CoT prompts, stop strings for base models, the RPO arm. Measurements only.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from torch import Tensor
 
 from lab.align import cdpo as C
 from lab.align import hf_batch, hf_prefs
-from lab.align.train import token_logprobs
+from lab.align.train import preference_loss, token_logprobs
 from lab.core.params import ParamError
 from lab.data.answers import answer_of, reference_answer
 
@@ -222,7 +223,7 @@ def contrastive_estimation(model, tokenizer, tr: Trajectories, cfg: Config, *, q
     return model, sel, dict(zip(wrong, s)), info
 
 
-# ------------------------------------------------------------------ cDPO and DPO arms
+# ------------------------------------------------------------------ cDPO, DPO and TokenDPO arms
 
 def pair_batch(rows: list[dict], pad: int = 0) -> dict[str, Tensor]:
     """Rows {chosen, rejected: Sample, s: (len(y_l),)} -> the padded (B, 2, T) batch and s (B, T − 1) placed at the
@@ -253,11 +254,20 @@ def pairs(tr: Trajectories, sel: list[dict], scores: dict, problems: range) -> l
             for q, w, l in keep]
 
 
-def train_arm(model, rows: list[dict], cfg: hf_prefs.Config, name: str, *, weighted: bool, pad: int = 0,
+ARMS = ("dpo", "tokendpo", "cdpo")
+
+
+def train_arm(model, rows: list[dict], cfg: hf_prefs.Config, name: str, *, pad: int = 0,
               quiet: bool | None = None):
-    """cDPO (`weighted`) or DPO (every s_t = 0) as LoRA arm `name`, γ = `cfg.beta`: (PeftModel, per-step losses)."""
-    rows = rows if weighted else [r | {"s": torch.zeros_like(r["s"])} for r in rows]
-    loss = lambda policy, m, b: cdpo_batch_loss(policy, hf_prefs.DisabledAdapter(m), b, gamma=cfg.beta)
+    """Arm `name` of `ARMS` as a LoRA adapter, γ = `cfg.beta`: cdpo (Eq. 6), dpo (Eq. 6 with every s_t = 0) or
+    tokendpo (TDPO2 on the same padded pairs, `lab.align.train.preference_loss`): (PeftModel, per-step losses)."""
+    if name not in ARMS:
+        raise ValueError(f"arm {name!r} is not one of {ARMS}.")
+    if name == "tokendpo":
+        loss = lambda policy, m, b: preference_loss(policy, hf_prefs.DisabledAdapter(m), b, "tdpo", beta=cfg.beta)
+    else:
+        rows = rows if name == "cdpo" else [r | {"s": torch.zeros_like(r["s"])} for r in rows]
+        loss = lambda policy, m, b: cdpo_batch_loss(policy, hf_prefs.DisabledAdapter(m), b, gamma=cfg.beta)
     return hf_prefs.fit_adapter(model, rows, cfg, name, partial(pair_batch, pad=pad), loss, quiet=quiet)
 
 
@@ -269,7 +279,7 @@ def as_text(tokenizer, rows: list[dict]) -> list[dict]:
 
 def study(model, tokenizer, problems: list[dict], cfg: Config, *, arms: bool = True,
           quiet: bool | None = None) -> tuple[dict, list[dict]]:
-    """Trajectories, contrastive estimation and the critical-token table on every problem; with `arms`, DPO and cDPO
+    """Trajectories, contrastive estimation and the critical-token table on every problem; with `arms`, the `ARMS`
     on the pairs of all but the last `cfg.held_out` problems, evaluated (with P_p) on those (module docstring)."""
     Q = len(problems)
     if tokenizer is None:
@@ -290,10 +300,10 @@ def study(model, tokenizer, problems: list[dict], cfg: Config, *, arms: bool = T
         raise ParamError(f"{len(train)} training and {len(test)} held-out problems have both a correct and a wrong "
                          "trajectory; the arms need both: raise n_samples or n_problems.")
     pad = hf_batch.pad_id(tokenizer)
-    for name, weighted in (("dpo", False), ("cdpo", True)):
+    for name in ARMS:
         c = replace(cfg.arm, steps=epochs_to_steps(len(train), cfg.epochs, cfg.arm))
-        model, _ = train_arm(model, train, c, name, weighted=weighted, pad=pad, quiet=quiet)
-    ev = hf_prefs.evaluate(model, tokenizer, as_text(tokenizer, test), ["P_p", "dpo", "cdpo"], cfg.arm)
+        model, _ = train_arm(model, train, c, name, pad=pad, quiet=quiet)
+    ev = hf_prefs.evaluate(model, tokenizer, as_text(tokenizer, test), ["P_p", *ARMS], cfg.arm)
     held = problems[Q - cfg.held_out:]
     for arm, m in ev.items():  # share of K samples per held-out problem whose final answer is right
         tr_arm = trajectories(model, tokenizer, held, cfg.K, adapter=None if arm == "reference" else arm,

@@ -11,7 +11,8 @@ disabled** (`DisabledAdapter`), so a large model is held once. Each arm is a nam
 `PeftModel`, so a notebook trains EXPO, DPO, IPO, HPS... side by side and switches between them by name. The loop
 runs through `accelerate.Accelerator` (gradient accumulation, mixed precision): one process on a laptop or in
 CI, `accelerate launch` over several GPUs. Any loss of `lab.align.LOSSES` trains; EXPO gets its KL term as
-`preference_loss` gives it (the token KL summed along the chosen responses), HPS its rewards from the rows.
+`preference_loss` gives it (the token KL summed along the chosen responses), TDPO the same sum along each response,
+HPS its rewards from the rows.
 
 Evaluation on held-out rows (`evaluate`), for the reference and each arm:
 - the implicit reward margin β·[(log π_θ − log π_ref)(y_w) − (log π_θ − log π_ref)(y_l)] and the share of rows where

@@ -14,6 +14,9 @@ Options are keyword-only; unknown options are errors. Registered by name in `lab
 - f-DPO, Jensen–Shannon (Wang et al. 2024): −log σ(β·Δg), g = log 2π_θ − log(π_θ + π_ref)
 - RPO (Pang et al. 2024):               DPO + α·NLL(y_w) (per token when `chosen_len` is given)
 - Plackett–Luce listwise DPO (DPO paper App. A.3; HPS's PL baseline): −Σ_k log softmax_{j≥k}(β h_j)[k]
+- TDPO (Zeng et al. 2024, "Token-level Direct Preference Optimization"): −log σ(β·[Δh − δ]) with the responses'
+  sequential KLs D = Σ_t KL(π_ref(·|x, y_<t) ‖ π_θ(·|x, y_<t)) (`kl`, (B, 2); `lab.align.train.sequential_kl`):
+  TDPO1 δ = D_l − D_w, TDPO2 δ = α·(D_l − sg(D_w))
 """
 
 from __future__ import annotations
@@ -73,3 +76,16 @@ def plackett_luce(pi: Tensor, ref: Tensor, *, beta: float = 0.1) -> Tensor:
     # log Σ_{j≥k} exp(s_j) for every k: reverse cumulative logsumexp
     tail = torch.logcumsumexp(s.flip(-1), -1).flip(-1)  # (B, n)
     return (tail - s)[:, :-1].sum(-1)
+
+
+def tdpo(pi: Tensor, ref: Tensor, *, beta: float = 0.1, kl: Tensor, alpha: float = 0.5,
+         tdpo2: bool = True) -> Tensor:
+    """TDPO's loss −log σ(β·(Δh − δ)) from the sequence log-probs and the sequential KLs `kl` (B, 2) of the chosen
+    and the rejected response, D_SeqKL(x, y; π_ref ‖ π_θ). TDPO1: δ = D_l − D_w; TDPO2 (the paper's recommended
+    form and the official `tdpo_loss` default, α = 0.5): δ = α·(D_l − D_w) with no gradient through D_w. (The
+    official config file sets `if_tdpo2: false`; its README runs TDPO2 with α = 0.5, β = 0.1.)"""
+    h = implicit_reward(*_pair(pi, ref))
+    if kl.shape != pi.shape:
+        raise ValueError(f"tdpo needs kl of the shape of pi, (B, 2); got {tuple(kl.shape)}.")
+    delta = alpha * (kl[:, 1] - kl[:, 0].detach()) if tdpo2 else kl[:, 1] - kl[:, 0]
+    return F.softplus(-beta * (h[:, 0] - h[:, 1] - delta))

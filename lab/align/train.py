@@ -28,8 +28,8 @@ from torch import Tensor
 
 from lab.models.train import optimize
 
-__all__ = ["optimize", "token_logprobs", "sequence_logprobs", "chosen_token_kl", "preference_loss",
-           "train_preferences", "response_logps", "train_pairs"]
+__all__ = ["optimize", "token_logprobs", "sequence_logprobs", "sequential_kl", "response_kls", "chosen_token_kl",
+           "preference_loss", "train_preferences", "response_dists", "response_logps", "train_pairs"]
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -48,19 +48,33 @@ def sequence_logprobs(model, batch: dict[str, Tensor], *, with_dists: bool = Fal
     return (seq, dists) if with_dists else seq
 
 
+def sequential_kl(ref_dists: Tensor, dists: Tensor, mask: Tensor | None = None) -> Tensor:
+    """D_SeqKL(x, y; π_ref ‖ π_θ) = Σ_t KL(π_ref(·|x, y_<t) ‖ π_θ(·|x, y_<t)) over the positions `mask` keeps, from
+    (N, T, V) log-distributions: (N,) (TDPO's sequential KL; EXPO's KL surrogate on chosen responses)."""
+    p = ref_dists.exp()  # Σ_v p·(log p − log q) as two batched dot products: no (N, T, V) product is built
+    kl_t = torch.einsum("ntv,ntv->nt", p, ref_dists) - torch.einsum("ntv,ntv->nt", p, dists)  # (N, T)
+    return (kl_t if mask is None else kl_t * mask).sum(-1)
+
+
+def response_kls(ref_dists: Tensor, dists: Tensor, batch: dict[str, Tensor]) -> Tensor:
+    """`sequential_kl` over each response's tokens of a padded batch, from `sequence_logprobs`' (B·n, T−1, V)
+    distributions: (B, n)."""
+    B, n, T = batch["input_ids"].shape
+    return sequential_kl(ref_dists, dists, batch["response_mask"].reshape(B * n, T)[:, 1:]).reshape(B, n)
+
+
 def chosen_token_kl(ref_dists: Tensor, dists: Tensor, batch: dict[str, Tensor]) -> Tensor:
     """Σ_t KL(π_ref(·|prefix) ‖ π_θ(·|prefix)) over the chosen response's tokens: (B,). A surrogate for EXPO's
     regularizer KL(π_ref ‖ π_θ): it equals that KL in expectation only when the responses are drawn from π_ref
     (chain rule); along a preference dataset's chosen responses it under- or over-weights them (the 01 EXPO
     notebook measures the gap; `lab.align.expo.reference_kl` is the unbiased estimator, on π_ref samples)."""
-    B, n, T = batch["input_ids"].shape
-    kl_t = (ref_dists.exp() * (ref_dists - dists)).sum(-1).reshape(B, n, T - 1)[:, 0]  # (B, T−1)
-    return (kl_t * batch["response_mask"][:, 0, 1:]).sum(-1)
+    return response_kls(ref_dists, dists, batch)[:, 0]
 
 
 def preference_loss(policy, reference, batch: dict[str, Tensor], loss: str, **options) -> Tensor:
     """Mean registry loss of one batch; the reference runs without gradients. EXPO gets `chosen_token_kl` as its
-    KL term (a surrogate on the batch's chosen responses, not the unbiased estimator; see that function)."""
+    KL term (a surrogate on the batch's chosen responses, not the unbiased estimator; see that function), TDPO the
+    sequential KLs of both responses (`response_kls`)."""
     from lab.align import LOSSES
 
     pi, dists = sequence_logprobs(policy, batch, with_dists=True)
@@ -70,6 +84,8 @@ def preference_loss(policy, reference, batch: dict[str, Tensor], loss: str, **op
         options = {**options, "kl": chosen_token_kl(ref_dists, dists, batch)}
     if loss == "hps":
         options = {**options, "r": batch["rewards"]}
+    if loss == "tdpo":
+        options = {**options, "kl": response_kls(ref_dists, dists, batch)}
     return LOSSES[loss](pi, ref, **options).mean()
 
 
@@ -86,30 +102,43 @@ def train_preferences(policy, reference, batches: Callable[[torch.Generator], di
     return losses
 
 
+def response_dists(model, prompts: Tensor, responses: Tensor) -> Tensor:
+    """log π(·| x, y_<t) over the vocabulary at every response position: (n, L, V)."""
+    P = prompts.shape[1]
+    return model(input_ids=torch.cat([prompts, responses], 1)).logits[:, P - 1:-1].float().log_softmax(-1)
+
+
 def response_logps(model, prompts: Tensor, responses: Tensor, mask: Tensor | None = None) -> Tensor:
     """log π(y_t | x, y_<t) for every response token, zero where `mask` is False: (n, L)."""
-    P = prompts.shape[1]
-    logits = model(input_ids=torch.cat([prompts, responses], 1)).logits[:, P - 1:-1].float()  # t predicts t+1
-    out = logits.log_softmax(-1).gather(-1, responses[..., None])[..., 0]
+    out = response_dists(model, prompts, responses).gather(-1, responses[..., None])[..., 0]  # t predicts t+1
     return out if mask is None else out * mask
 
 
 def train_pairs(base, pairs: dict[str, Tensor], loss: Callable[[dict[str, Tensor]], Tensor], *, steps: int, lr: float,
-                batch_size: int, seed: int = 0, every: int = 10, desc: str = "pairs",
+                batch_size: int, seed: int = 0, every: int = 10, desc: str = "pairs", kl: bool = False,
                 quiet: bool | None = None) -> tuple[torch.nn.Module, dict]:
     """Train a copy of `base` (kept frozen as the reference) on `pairs` {prompt (n, P), chosen, rejected
     (n, L), optional chosen_mask / rejected_mask (n, L), any per-pair extras}. `loss(batch)` gets the
-    batch's extras plus per-token pi_w, ref_w, pi_l, ref_l (B, L). Returns the policy and the mean
-    chosen / rejected response log-likelihoods every `every` steps (Fig. 4-style dynamics)."""
+    batch's extras plus per-token pi_w, ref_w, pi_l, ref_l (B, L), and with `kl` the sequential KLs
+    D_SeqKL(π_ref ‖ π_θ) of the chosen and the rejected responses, kl_w and kl_l (B,) (TDPO). Returns the policy
+    and the mean chosen / rejected response log-likelihoods every `every` steps (Fig. 4-style dynamics)."""
     policy, ref = copy.deepcopy(base).train(), base.eval()
     g = torch.Generator().manual_seed(seed)
     x, yw, yl = pairs["prompt"], pairs["chosen"], pairs["rejected"]
     mw, ml = pairs.get("chosen_mask"), pairs.get("rejected_mask")
     with torch.no_grad():
-        ref_w, ref_l = response_logps(ref, x, yw, mw), response_logps(ref, x, yl, ml)
+        ref_dw, ref_dl = response_dists(ref, x, yw), response_dists(ref, x, yl)
     fixed = ("prompt", "chosen", "rejected", "chosen_mask", "rejected_mask")
     extras = {k: v for k, v in pairs.items() if k not in fixed}
     log = {"step": [], "chosen": [], "rejected": [], "loss": []}
+
+    def token(d: Tensor, y: Tensor, m: Tensor | None) -> Tensor:
+        out = d.gather(-1, y[..., None])[..., 0]
+        return out if m is None else out * m
+
+    ref_w, ref_l = token(ref_dw, yw, mw), token(ref_dl, yl, ml)
+    if not kl:
+        del ref_dw, ref_dl  # (n, L, V): kept only for the KL
 
     @torch.no_grad()
     def record(step: int) -> None:
@@ -121,9 +150,12 @@ def train_pairs(base, pairs: dict[str, Tensor], loss: Callable[[dict[str, Tensor
         if step % every == 0:
             record(step)
         i = torch.randint(len(x), (batch_size,), generator=g)
+        m_w, m_l = (None if m is None else m[i] for m in (mw, ml))
+        d_w, d_l = response_dists(policy, x[i], yw[i]), response_dists(policy, x[i], yl[i])
         batch = {k: v[i] for k, v in extras.items()}
-        batch.update(pi_w=response_logps(policy, x[i], yw[i], None if mw is None else mw[i]), ref_w=ref_w[i],
-                     pi_l=response_logps(policy, x[i], yl[i], None if ml is None else ml[i]), ref_l=ref_l[i])
+        batch.update(pi_w=token(d_w, yw[i], m_w), ref_w=ref_w[i], pi_l=token(d_l, yl[i], m_l), ref_l=ref_l[i])
+        if kl:
+            batch.update(kl_w=sequential_kl(ref_dw[i], d_w, m_w), kl_l=sequential_kl(ref_dl[i], d_l, m_l))
         return loss(batch)
 
     log["loss"] = optimize(policy.parameters(), step_loss, steps=steps, lr=lr, grad_clip=1.0, desc=desc, quiet=quiet)

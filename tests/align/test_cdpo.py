@@ -118,10 +118,11 @@ def test_each_arms_gradient_at_the_reference_is_its_closed_form():
     want = {"dpo": (-gamma / 2 / B * one, gamma / 2 / B * one),
             "rpo": ((-gamma / 2 / B - 1 / (B * L)) * one, gamma / 2 / B * one),
             "cdpo": (-gamma / 2 / B * one, gamma / 2 / B * (1 - s)),
-            "cdpo_positionwise": (-gamma / 2 / (B * L) * one, gamma / 2 / (B * L) * (1 - s))}
+            "cdpo_positionwise": (-gamma / 2 / (B * L) * one, gamma / 2 / (B * L) * (1 - s)),
+            "tokendpo": (-gamma / 2 / B * one, gamma / 2 / B * one)}  # its sequential KLs are 0 at π_ref
     for arm, (g_w, g_l) in want.items():
         pi_w, pi_l = ref_w.clone().requires_grad_(), ref_l.clone().requires_grad_()
-        value = C.arm_loss(arm, pi_w, ref_w, pi_l, ref_l, s, gamma=gamma)
+        value = C.arm_loss(arm, pi_w, ref_w, pi_l, ref_l, s, gamma=gamma, kl=torch.zeros(B, 2))
         nll = -ref_w.sum(1).mean().item() / L if arm == "rpo" else 0.0
         assert value.item() == pytest.approx(math.log(2) + nll, abs=1e-6), arm
         value.backward()
@@ -137,7 +138,7 @@ def test_training_arms_and_sft_run_and_log():
     w0 = [p.clone() for p in base.parameters()]
     train = lambda arm, p=pairs, steps=6: C.train_arm(base, p, arm, steps=steps, lr=1e-2, gamma=0.5, batch_size=4,
                                                        every=3, quiet=True)
-    runs = {arm: train(arm) for arm in ("dpo", "rpo", "cdpo", "cdpo_positionwise")}
+    runs = {arm: train(arm) for arm in ("dpo", "rpo", "cdpo", "cdpo_positionwise", "tokendpo")}
     for _policy, log in runs.values():
         assert log["step"] == [0, 3, 6] and len(log["loss"]) == 6
         assert log["rejected"][-1] < log["rejected"][0]  # every arm pushes the rejected responses down
@@ -146,7 +147,7 @@ def test_training_arms_and_sft_run_and_log():
     dpo_like, log0 = train("cdpo", {**pairs, "s": torch.zeros(8, 4)})
     assert all(log0[k] == pytest.approx(v, abs=1e-5) for k, v in runs["dpo"][1].items())
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(dpo_like.parameters(), runs["dpo"][0].parameters()))
-    # ... while the real scores, RPO's NLL term and the position-wise mean make four different policies
+    # ... while the real scores, RPO's NLL term, the position-wise mean and TDPO's KL term make five policies
     for a, b in itertools.combinations(runs, 2):
         gap = max((p - q).abs().max().item() for p, q in zip(runs[a][0].parameters(), runs[b][0].parameters()))
         assert gap > 1e-3, (a, b)
@@ -156,7 +157,7 @@ def test_training_arms_and_sft_run_and_log():
     with torch.no_grad():
         logp = base(input_ids=torch.cat([x[:1], yw[:1]], 1)).logits[0, 2:-1].log_softmax(-1)  # predicts yw
     nll = -sum(logp[t, yw[0, t]] for t in range(4)).item() / 4
-    for arm in ("dpo", "cdpo", "cdpo_positionwise", "rpo"):
+    for arm in ("dpo", "cdpo", "cdpo_positionwise", "rpo", "tokendpo"):
         first = train(arm, same, steps=1)[1]["loss"][0]
         assert first == pytest.approx(math.log(2) + (nll if arm == "rpo" else 0.0), abs=1e-5), arm
     losses = C.fine_tune(base, x, yw, steps=30, lr=1e-2, batch_size=8, quiet=True)
@@ -293,10 +294,11 @@ def test_pipeline_pairs_models_and_sweep_follow_the_steps_by_hand():
         assert res[arm, 0.0]["log"]["chosen"] == [w, w] and res[arm, 0.0]["log"]["step"] == [0, cfg.steps]
 
 
-@pytest.mark.parametrize("arm", ["dpo", "rpo", "cdpo", "cdpo_positionwise"])
+@pytest.mark.parametrize("arm", ["dpo", "rpo", "cdpo", "cdpo_positionwise", "tokendpo"])
 def test_arm_loss_stays_on_its_inputs_device(arm):
     """Every arm's loss is built on the device of its log-probs (here `meta`, standing in for CUDA: a host tensor
     mixed in raises, as on a GPU; rpo's per-token length was once made on the host)."""
     B, L = 3, 4
     t = lambda: torch.zeros(B, L, device="meta")
-    assert C.arm_loss(arm, t(), t(), t(), t(), t(), gamma=0.5).device.type == "meta"
+    kl = torch.zeros(B, 2, device="meta")
+    assert C.arm_loss(arm, t(), t(), t(), t(), t(), gamma=0.5, kl=kl).device.type == "meta"

@@ -127,6 +127,34 @@ def test_pair_batch_places_s_on_the_rejected_tokens_and_the_loss_is_eq6(tok):
                               atol=1e-5)
 
 
+def test_tokendpo_arm_is_tdpo2_on_the_pairs_by_hand(tok):
+    """The checkpoint's TokenDPO arm: −log σ(β(h_w − h_l − α(D_l − D_w))), α = 0.5, with D the response's sequential
+    KL(π_ref ‖ π_θ) summed over its own tokens only (naive per-response loops here); an unknown arm is refused."""
+    model = two_adapters(tok)
+    rows = [{"chosen": ([2, 14], [5, 3]), "rejected": ([2, 14], [6, 7, 3]), "s": torch.tensor([0.1, 0.9, 0.5])},
+            {"chosen": ([15], [4, 4, 3]), "rejected": ([15], [8]), "s": torch.tensor([0.3])}]
+    policy, ref = hp.use(model, "P_p"), hp.DisabledAdapter(model)
+
+    def dists(m, p, y):  # log π(·|p, y_<t) at each token of y
+        with torch.no_grad():
+            return m(input_ids=torch.tensor([p + y])).logits[0, len(p) - 1:len(p) - 1 + len(y)].log_softmax(-1)
+
+    want = []
+    for r in rows:
+        h, D = [], []
+        for p, y in (r["chosen"], r["rejected"]):
+            dp, dr = dists(policy, p, y), dists(ref, p, y)
+            h.append(sum(dp[t, y[t]] - dr[t, y[t]] for t in range(len(y))))
+            D.append((dr.exp() * (dr - dp)).sum())
+        want.append(-torch.nn.functional.logsigmoid(0.5 * (h[0] - h[1] - 0.5 * (D[1] - D[0]))))
+    with torch.no_grad():
+        got = hp.preference_loss(policy, ref, CC.pair_batch(rows), "tdpo", beta=0.5)
+    assert got.item() == pytest.approx(torch.stack(want).mean().item(), abs=1e-5)
+    assert got.item() != pytest.approx(CC.cdpo_batch_loss(policy, ref, CC.pair_batch(rows), gamma=0.5).item(), abs=1e-4)
+    with pytest.raises(ValueError, match="not one of"):
+        CC.train_arm(model, rows, hp.Config(), "rpo")
+
+
 def test_critical_table_hand_computed(tok):
     samples = [[([2], [5, 6, 3]), ([2], [5, 7, 3]), ([2], [8, 7, 3]), ([2], [8, 6, 3])]]
     tr = trajs(samples, [["1", "2", "2", "1"]], [[True, False, False, True]])
@@ -161,5 +189,5 @@ def test_notebook_on_a_saved_policy_and_problems_is_measured(tmp_path, tok):
     table = ck["critical tokens per problem"]
     assert len(table) == ck["critical tokens"]["problems with a wrong trajectory"] > 0
     assert all(0 <= c["wrong share when present"] <= 1 for r in table for c in r["critical tokens"])
-    assert set(ck["arms"]) == {"reference", "P_p", "dpo", "cdpo"}
+    assert set(ck["arms"]) == {"reference", "P_p", "dpo", "tokendpo", "cdpo"}
     assert all(0 <= m["sampled accuracy"] <= 1 for m in ck["arms"].values())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lab.align import LOSSES
-from lab.align.losses import dpo, fdpo_js, ipo, plackett_luce, rpo
+from lab.align.losses import dpo, fdpo_js, ipo, plackett_luce, rpo, tdpo
 
 torch.manual_seed(0)
 PI, REF = torch.randn(5, 2, dtype=torch.float64) - 3, torch.randn(5, 2, dtype=torch.float64) - 3
@@ -54,7 +54,7 @@ def test_plackett_luce_naive_product_and_pairwise_limit():
 
 def test_signature_and_shape_errors():
     for name, f in LOSSES.items():
-        if name in ("expo", "hps"):
+        if name in ("expo", "hps", "tdpo"):  # their own inputs (kl, rewards): tested below / in their modules
             continue
         out = f(PI, REF, beta=0.2)
         assert out.shape == (5,)
@@ -69,3 +69,22 @@ def test_gradient_of_dpo_matches_finite_differences():
     assert torch.autograd.gradcheck(lambda x: dpo(x, REF, beta=0.3).sum(), (pi,))
     assert torch.autograd.gradcheck(lambda x: plackett_luce(x, REF.repeat(1, 2)[:, :3], beta=0.3).sum(),
                                     (torch.randn(5, 3, dtype=torch.float64, requires_grad=True),))
+
+
+def test_tdpo_by_hand_and_its_stop_gradient():
+    """TDPO1: −log σ(β(Δh − (D_l − D_w))); TDPO2: −log σ(β(Δh − α(D_l − sg(D_w)))) (the official `tdpo_loss`);
+    with zero sequential KL both are DPO; TDPO2 passes no gradient to D_w, TDPO1 does."""
+    kl = torch.rand(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for b in range(5):
+        d = (PI[b, 0] - REF[b, 0]) - (PI[b, 1] - REF[b, 1])
+        one = -math.log(sig(0.3 * (d - (kl[b, 1] - kl[b, 0]))))
+        two = -math.log(sig(0.3 * (d - 0.5 * (kl[b, 1] - kl[b, 0]))))
+        assert tdpo(PI, REF, beta=0.3, kl=kl, tdpo2=False)[b].item() == pytest.approx(one, rel=1e-9)
+        assert tdpo(PI, REF, beta=0.3, kl=kl)[b].item() == pytest.approx(two, rel=1e-9)
+    for two in (True, False):
+        torch.testing.assert_close(tdpo(PI, REF, beta=0.3, kl=torch.zeros_like(PI), tdpo2=two), dpo(PI, REF, beta=0.3))
+        k = kl.clone().requires_grad_()
+        tdpo(PI, REF, beta=0.3, kl=k, tdpo2=two).sum().backward()
+        assert (k.grad[:, 0] == 0).all() == two and (k.grad[:, 1] > 0).all()  # more KL on y_l: higher loss
+    with pytest.raises(ValueError, match=r"kl of the shape of pi"):
+        tdpo(PI, REF, kl=kl[:, :1])
