@@ -16,7 +16,8 @@ E[ST(ALG)] − min_i E[ST(arm i)] (Sec. 3).
 - Policies are vectorised over R independent runs (state (R, K)), so the bandit-only environment (truncated
   geometric acceptance, eq. 10) simulates many runs at once, and one decoding run is R = 1.
 - `gamma_load`: the γ-under-load cost model (Sec. 6.2 / Fig. 3 analog; round time g·t_draft + t_verify(b(g+1)),
-  flat until saturation, then linear), reward = tokens per unit time as the official code's throughput reward.
+  flat until saturation, then linear), reward = tokens per unit time as the official code's throughput reward;
+  beside the bandits, transformers' own adaptive "heuristic" γ schedule (`heuristic_throughput`, no bandit).
 
 The decoding loop (KV caches, drafters, greedy and rejection-sampling verification) is in
 `lab.reasoning.banditspec_decode`.
@@ -278,5 +279,22 @@ def gamma_load(cfg: Config, seed: int = 0, names: tuple[str, ...] = ("UCBSpec", 
                 tok, tim = tok + y, tim + time[arms]
                 pol.update(arms, y * time.min() / time[arms])  # tokens per plain-decoding time unit
             row[name] = (tok / tim).mean()
+        row["heuristic"] = heuristic_throughput(a, [round_time(g, b, cfg) for g in range(L + 1)], cfg.rounds_c,
+                                                np.random.default_rng([seed, b, len(names)]))
         out[b] = row
     return out
+
+
+def heuristic_throughput(a: np.ndarray, time: list[float], rounds: int, rng: np.random.Generator) -> float:
+    """Mean tokens per unit time of transformers' "heuristic" speculation-length schedule
+    (`AssistedCandidateGenerator.update_candidate_strategy`): γ += 2 after a round whose drafts were all accepted,
+    else γ = max(1, γ − 1) — per prompt of acceptance a (N,), no bandit; γ starts at and is clipped to the largest
+    γ of the arms, L = len(time) − 1 (transformers starts at 20 with no cap), and never drops to 0 (no speculation)."""
+    L, t = len(time) - 1, np.asarray(time)
+    g = np.full(len(a), L)
+    tok, tim = np.zeros(len(a)), np.zeros(len(a))
+    for _ in range(rounds):
+        y = np.minimum(rng.geometric(1 - a), g + 1)  # accepted drafts + the target's token
+        tok, tim = tok + y, tim + t[g]
+        g = np.where(y == g + 1, np.minimum(g + 2, L), np.maximum(g - 1, 1))
+    return float((tok / tim).mean())

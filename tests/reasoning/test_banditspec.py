@@ -86,6 +86,29 @@ def test_cost_model_round_time_and_oracle_gamma_moves_down():
     assert means[0] > means[-1] and all(out[b]["oracle"] >= out[b]["best fixed"] - 1e-12 for b in cfg.batches)
 
 
+def test_transformers_heuristic_schedule_by_hand():
+    """`heuristic_throughput` follows transformers' rule — γ + 2 after an all-accepted round (capped at L), else
+    max(1, γ − 1) — on scripted acceptances (a stand-in generator), and its two limits in closed form."""
+
+    class Scripted:  # rng.geometric returns the next scripted y per prompt (y − 1 drafts accepted before a miss)
+        def __init__(self, ys):
+            self.ys = iter(ys)
+
+        def geometric(self, p):
+            return np.asarray(next(self.ys))
+
+    t = [1.0, 1.5, 2.0, 2.5, 3.0]  # round time for γ = 0..4 (L = 4)
+    # one prompt: γ 4 (y 5: all) -> 4 (cap); y 2 -> 3; y 4 (all of 3) -> 4; y 1 -> 3; y 1 -> 2; y 3 (all) -> 4
+    ys, gammas = [5, 5, 2, 4, 1, 1, 3], [4, 4, 4, 3, 4, 3, 2]
+    got = bs.heuristic_throughput(np.array([0.5]), t, len(ys), Scripted([[y] for y in ys]))
+    assert got == pytest.approx(sum(ys) / sum(t[g] for g in gammas))
+    # y capped at γ + 1: a scripted 9 in round 1 counts as 5 tokens
+    assert bs.heuristic_throughput(np.array([0.5]), t, 1, Scripted([[9]])) == pytest.approx(5 / 3.0)
+    rng = np.random.default_rng(0)  # a → 1: every draft accepted, γ stays at L; a = 0: γ falls to 1 and stays
+    assert bs.heuristic_throughput(np.array([1 - 1e-12]), t, 50, rng) == pytest.approx(5 / 3.0)
+    assert bs.heuristic_throughput(np.array([0.0]), t, 10, rng) == pytest.approx(10 / (3.0 + 2.5 + 2.0 + 7 * 1.5))
+
+
 def test_verify_greedy_by_hand():
     logits = torch.full((4, 6), -1.0)
     for i, x in enumerate([3, 2, 5, 1]):
