@@ -29,8 +29,11 @@ The notebook's measurements, toy and checkpoint path live in `lab.compress.olica
 from the model (block inputs, module taps, energies) in `lab.compress.olica_capture`.
 The result is an `OlicaLlamaForCausalLM` (`lab.compress.pruned_llama`): a `LlamaForCausalLM` subclass, because a
 plain Llama cannot hold value heads narrower than Q/K heads, rank-r Q/K or the LC term. Baselines at the same sizes:
-random structured pruning, Wanda-sp (|W|·‖X‖ group sums on the raw neurons, unweighted SVD for Q/K), plain unweighted
-SVD everywhere in attention, Fast OND without LC, full OND.
+random structured pruning, Wanda-sp (|W|·‖X‖ group sums on the raw neurons, unweighted SVD for Q/K), FLAP (An et al.,
+AAAI 2024; official CASIA-IVA-Lab/FLAP: the WIFV score Var[x_j]·‖W[:, j]‖² on the input channels of o_proj and
+down_proj, its uniform "UL-UM" structure, and the bias compensation W[:, pruned]·E[x_pruned] added to o_proj /
+down_proj; unweighted SVD for Q/K, the pruned upstream stream as every method here), plain unweighted SVD everywhere
+in attention, Fast OND without LC, full OND.
 """
 
 from __future__ import annotations
@@ -54,18 +57,21 @@ CONTROLS = ("random", "no_lc")
 @dataclass(frozen=True)
 class Recipe:
     """How one method prunes: rotation ("fast" | "full" | "plain" | "none"), Q/K ("weighted" | "plain" | "random"),
-    V/O scores ("olica" | "singular" | "wanda" | "random"), FFN scores ("olica" | "wanda" | "random"), LC on/off."""
+    V/O scores ("olica" | "singular" | "wanda" | "flap" | "random"), FFN scores ("olica" | "wanda" | "flap" |
+    "random"), LC on/off, FLAP's bias compensation on/off."""
 
     rotate: str = "fast"
     qk: str = "weighted"
     vo: str = "olica"
     ffn: str = "olica"
     lc: bool = True
+    compensate: bool = False
 
 
 METHODS = {"Olica (Fast-OND + LC)": Recipe(), "Fast-OND (no LC)": Recipe(lc=False),
            "full OND + LC": Recipe(rotate="full"), "plain SVD": Recipe("plain", "plain", "singular", "olica", False),
            "Wanda-sp": Recipe("none", "plain", "wanda", "wanda", False),
+           "FLAP": Recipe("none", "plain", "flap", "flap", False, True),
            "random": Recipe("none", "random", "random", "random", False)}
 
 
@@ -207,8 +213,10 @@ def rotate(attn: nn.Module, how: str, e_out: torch.Tensor, e_in: torch.Tensor, H
         wv.copy_(new[0]), wo.copy_(new[1])
 
 
-def vo_scores(attn: nn.Module, how: str, s_vin, s_oin, g: torch.Generator) -> torch.Tensor:
+def vo_scores(attn: nn.Module, how: str, s_vin, s_oin, g: torch.Generator, var_oin=None) -> torch.Tensor:
     wv, wo = attn.v_proj.weight.float(), attn.o_proj.weight.float()
+    if how == "flap":  # WIFV: input variance of o_proj's channel times its column's squared norm
+        return var_oin * wo.pow(2).sum(0)
     if how == "olica":
         return (wv * s_vin.sqrt()).norm(dim=1) + wo.norm(dim=0) * s_oin.sqrt()
     if how == "wanda":
@@ -218,17 +226,32 @@ def vo_scores(attn: nn.Module, how: str, s_vin, s_oin, g: torch.Generator) -> to
     return torch.rand(wv.shape[0], generator=g).to(wv.device)
 
 
-def prune_vo(attn: nn.Module, scores: torch.Tensor, H: int, d_v: int) -> None:
-    """Keep the d_v best-scored value neurons of every head (the same count in each)."""
+def compensated_bias(lin: nn.Linear, keep: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias of `lin` once its input channels outside `keep` are removed: its own bias (if any), plus with `mean`
+    (E[x] over calibration tokens) FLAP's compensation W[:, pruned]·E[x_pruned]."""
+    if mean is None:
+        return lin.bias
+    off = torch.ones_like(mean, dtype=torch.bool)
+    off[keep] = False
+    comp = (lin.weight.float()[:, off] @ mean[off]).to(lin.weight.dtype)
+    return comp if lin.bias is None else lin.bias + comp
+
+
+def prune_vo(attn: nn.Module, scores: torch.Tensor, H: int, d_v: int, mean_oin=None) -> None:
+    """Keep the d_v best-scored value neurons of every head (the same count in each); with `mean_oin` (o_proj's mean
+    input), FLAP's compensation becomes o_proj's bias."""
     dh = scores.numel() // H
     keep = torch.cat([h * dh + scores.view(H, dh)[h].topk(d_v).indices.sort().values for h in range(H)])
-    attn.v_proj = om.set_linear(attn.v_proj, attn.v_proj.weight[keep])
-    attn.o_proj = om.set_linear(attn.o_proj, attn.o_proj.weight[:, keep])
+    v, o = attn.v_proj, attn.o_proj
+    attn.v_proj = om.set_linear(v, v.weight[keep], None if v.bias is None else v.bias[keep])
+    attn.o_proj = om.set_linear(o, o.weight[:, keep], compensated_bias(o, keep, mean_oin))
     attn.v_head_dim = d_v
 
 
-def ffn_scores(mlp: nn.Module, how: str, s_in, s_mid, g: torch.Generator) -> torch.Tensor:
+def ffn_scores(mlp: nn.Module, how: str, s_in, s_mid, g: torch.Generator, var_mid=None) -> torch.Tensor:
     up, gate, down = mlp.up_proj.weight.float(), mlp.gate_proj.weight.float(), mlp.down_proj.weight.float()
+    if how == "flap":
+        return var_mid * down.pow(2).sum(0)
     if how == "olica":
         return (up * s_in.sqrt()).norm(dim=1) + (gate * s_in.sqrt()).norm(dim=1) + down.norm(dim=0) * s_mid.sqrt()
     if how == "wanda":
@@ -280,6 +303,7 @@ def prune(model: nn.Module, calib: torch.Tensor, s: float, recipe: Recipe, cfg: 
         with taps({"v": a.v_proj, "o": a.o_proj, "mlp": f, "mid": f.down_proj}) as t:
             run_block(b, x, kw)
         s_vin, s_oin, X = energy(t["v"][0]), energy(t["o"][0]), t["mlp"][0].flatten(0, -2)
+        x_o, x_mid = (t[k][0].float().flatten(0, -2) for k in ("o", "mid"))  # o_proj's, down_proj's inputs
         for name in ("q_proj", "k_proj"):
             w = getattr(a, name).weight
             if recipe.qk == "random":
@@ -290,13 +314,15 @@ def prune(model: nn.Module, calib: torch.Tensor, s: float, recipe: Recipe, cfg: 
             lr = om.low_rank(w.shape[1], plan.r_qk, w.shape[0]).to(w.device, w.dtype)
             lr[0].weight.copy_(w1), lr[1].weight.copy_(w2)
             setattr(a, name, lr)
-        prune_vo(a, vo_scores(a, recipe.vo, s_vin, s_oin, g), H, plan.d_v)
+        prune_vo(a, vo_scores(a, recipe.vo, s_vin, s_oin, g, x_o.var(0)), H, plan.d_v,
+                 x_o.mean(0) if recipe.compensate else None)
         dense = copy.deepcopy(f)
-        keep = ffn_keep(ffn_scores(f, recipe.ffn, energy(X), energy(t["mid"][0]), g), plan.d_ff,
+        keep = ffn_keep(ffn_scores(f, recipe.ffn, energy(X), energy(x_mid), g, x_mid.var(0)), plan.d_ff,
                         0.01 if recipe.ffn == "olica" else 0.0)
-        f.gate_proj, f.up_proj = om.set_linear(f.gate_proj, f.gate_proj.weight[keep]), om.set_linear(
-            f.up_proj, f.up_proj.weight[keep])
-        f.down_proj, f.intermediate_size = om.set_linear(f.down_proj, f.down_proj.weight[:, keep]), len(keep)
+        bias = compensated_bias(f.down_proj, keep, x_mid.mean(0) if recipe.compensate else None)
+        f.gate_proj, f.up_proj = (om.set_linear(m_, m_.weight[keep], None if m_.bias is None else m_.bias[keep])
+                                  for m_ in (f.gate_proj, f.up_proj))
+        f.down_proj, f.intermediate_size = om.set_linear(f.down_proj, f.down_proj.weight[:, keep], bias), len(keep)
         if i in plan.lc_layers:
             W = ridge(X, dense(X) - f(X), cfg.percdamp, n, T)
             w1, w2, _ = lc_factors(X, dense(X) - f(X), W, plan.r_lc)

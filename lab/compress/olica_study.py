@@ -111,13 +111,15 @@ def toy(cfg: Config, seed: int, device: str = "cpu"):
 
 
 def compare(model, calib, held, ev, cfg: Config, sparsities, seed: int = 0) -> dict:
-    """PPL and parameter count of every method at every sparsity (same plan sizes), plus each run's info."""
-    out = {"ppl": {}, "params": {}, "info": {}}
+    """PPL and parameter count of every method at every sparsity (same plan sizes; "bias": the bias parameters among
+    them, FLAP's compensation), plus each run's info."""
+    out = {"ppl": {}, "params": {}, "bias": {}, "info": {}}
     for name in METHODS:
         rec = cfg.recipe(name)
         runs = [prune(model, calib, s, rec, cfg, held_out=held, seed=seed) for s in sparsities]
         out["ppl"][name] = [ppl(m, ev) for m, _ in runs]
         out["params"][name] = [om.n_params(m) for m, _ in runs]
+        out["bias"][name] = [sum(p.numel() for k, p in m.named_parameters() if k.endswith(".bias")) for m, _ in runs]
         out["info"][name] = [i for _, i in runs]
     return out
 

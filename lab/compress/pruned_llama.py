@@ -7,7 +7,8 @@ stores the per-layer sizes in the config (`utils.utils.get_config`) and rebuilds
 (`utils/customized_llama.py`, transformers 4.31). Here the same idea is a subclass:
 
 - `OlicaLlamaConfig(LlamaConfig)`, `model_type="olica_llama"`, with per-layer lists `qk_ranks` (0: full Q/K),
-  `v_head_dims`, `intermediate_sizes`, `lc_ranks` (0: no calibration term);
+  `v_head_dims`, `intermediate_sizes`, `lc_ranks` (0: no calibration term), and `out_bias` (o_proj and down_proj
+  carry a bias: FLAP's compensation for the pruned channels' mean);
 - `OlicaLlamaForCausalLM(LlamaForCausalLM)`, whose attention reshapes V with its own head width (eager and SDPA
   attention both accept a value width different from the Q/K width) and whose MLP adds the LC term.
 
@@ -35,8 +36,9 @@ class OlicaLlamaConfig(LlamaConfig):
 
     model_type = "olica_llama"
 
-    def __init__(self, qk_ranks=None, v_head_dims=None, intermediate_sizes=None, lc_ranks=None, **kw):
+    def __init__(self, qk_ranks=None, v_head_dims=None, intermediate_sizes=None, lc_ranks=None, out_bias=False, **kw):
         super().__init__(**kw)
+        self.out_bias = bool(out_bias)
         L, dh = self.num_hidden_layers, self.hidden_size // self.num_attention_heads
         self.qk_ranks = list(qk_ranks or [0] * L)
         self.v_head_dims = list(v_head_dims or [getattr(self, "head_dim", None) or dh] * L)
@@ -60,7 +62,7 @@ class OlicaAttention(LlamaAttention):
             self.q_proj = low_rank(d, r, H * self.head_dim, bias)
             self.k_proj = low_rank(d, r, config.num_key_value_heads * self.head_dim, bias)
         self.v_proj = nn.Linear(d, config.num_key_value_heads * self.v_head_dim, bias=bias)
-        self.o_proj = nn.Linear(H * self.v_head_dim, d, bias=bias)
+        self.o_proj = nn.Linear(H * self.v_head_dim, d, bias=bias or config.out_bias)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         shape = hidden_states.shape[:-1]
@@ -84,7 +86,7 @@ class OlicaMLP(LlamaMLP):
         d, F, bias = config.hidden_size, config.intermediate_sizes[layer_idx], config.mlp_bias
         self.intermediate_size = F
         self.gate_proj, self.up_proj = nn.Linear(d, F, bias=bias), nn.Linear(d, F, bias=bias)
-        self.down_proj = nn.Linear(F, d, bias=bias)
+        self.down_proj = nn.Linear(F, d, bias=bias or config.out_bias)
         r = config.lc_ranks[layer_idx]
         self.lc = low_rank(d, r, d) if r else None
 
@@ -133,6 +135,8 @@ def sync_config(model: OlicaLlamaForCausalLM) -> OlicaLlamaConfig:
         c.v_head_dims[i] = a.v_head_dim
         c.intermediate_sizes[i] = m.gate_proj.out_features
         c.lc_ranks[i] = 0 if m.lc is None else m.lc[0].out_features
+    c.out_bias = any((blk.self_attn.o_proj.bias is not None and not c.attention_bias)
+                     or (blk.mlp.down_proj.bias is not None and not c.mlp_bias) for blk in model.model.layers)
     return c
 
 

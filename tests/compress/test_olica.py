@@ -133,11 +133,12 @@ def test_parameter_counts_match_the_hand_computed_plan(name):
     s_qk, s_vp = 0.6, 0.15
     assert p.r_qk == math.ceil((1 - s_qk) * d / 2) and p.d_v == round((1 - s_vp) * 8) and p.r_lc == 3
     hand = 2 * V * d + d + L * (2 * d + 2 * 2 * p.r_qk * d + 2 * d * H * p.d_v + 3 * d * p.d_ff)
-    hand += 2 * d * p.r_lc * len(p.lc_layers)
+    hand += 2 * d * p.r_lc * len(p.lc_layers) + (2 * d * L if cfg.recipe(name).compensate else 0)  # FLAP's biases
     assert om.n_params(pruned) == hand
     assert abs(hand - 0.7 * om.n_params(m)) <= 3 * d  # the target within one FFN neuron per layer
     table = om.param_table(pruned)
-    assert table["layer 0"]["q"] == 2 * p.r_qk * d and table["layer 0"]["mlp"] == 3 * d * p.d_ff
+    bias = d if cfg.recipe(name).compensate else 0  # FLAP: down_proj's bias
+    assert table["layer 0"]["q"] == 2 * p.r_qk * d and table["layer 0"]["mlp"] == 3 * d * p.d_ff + bias
     assert table["total"]["all"] == hand
 
 
@@ -157,6 +158,52 @@ def test_pruned_model_saves_and_reloads_with_from_pretrained(tmp_path):
     back.config._attn_implementation = "sdpa"  # SDPA accepts the narrower value heads too
     with torch.no_grad():
         assert (back(input_ids=ids).logits - pruned(input_ids=ids).logits).abs().max() < 1e-4
+
+
+def test_flap_scores_and_bias_compensation_against_their_definitions(tmp_path):
+    """FLAP (CASIA-IVA-Lab/FLAP): WIFV = sample variance of input channel j × ‖W[:, j]‖² (a naive loop with
+    `statistics.variance`); the compensated bias makes the pruned layer exact on inputs whose pruned channels sit at
+    their calibration mean, and adds to a bias the layer already had; a FLAP-pruned model carries o_proj / down_proj
+    biases, says so in its config (`out_bias`) and reloads to the same logits."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(6, 3, bias=False)
+    x = torch.randn(40, 6, generator=g) * torch.arange(1.0, 7.0)
+    mlp = type("M", (), {k: lin for k in ("up_proj", "gate_proj", "down_proj")})()
+    got = ol.ffn_scores(mlp, "flap", None, None, g, x.var(0))
+    for j in range(6):
+        want = statistics.variance(x[:, j].tolist()) * sum(w * w for w in lin.weight[:, j].tolist())
+        assert got[j].item() == pytest.approx(want, rel=1e-5)
+    keep, mean = torch.tensor([0, 2, 5]), x.mean(0)
+    b = ol.compensated_bias(lin, keep, mean)
+    xm = x.clone()
+    xm[:, [1, 3, 4]] = mean[[1, 3, 4]]  # the pruned channels at their mean: the pruned layer is exact
+    torch.testing.assert_close(xm[:, keep] @ lin.weight[:, keep].T + b, lin(xm), atol=1e-5, rtol=1e-5)
+    assert ol.compensated_bias(lin, keep, None) is None  # no compensation, no bias
+    lin_b = torch.nn.Linear(6, 3)
+    torch.testing.assert_close(ol.compensated_bias(lin_b, keep, mean),
+                               lin_b.bias + ol.compensated_bias(_no_bias(lin_b), keep, mean))
+
+    m, ids = _tiny(), torch.randint(1, 50, (3, 16))
+    cfg = ol.Config(mlp_num=1, lc_ratio=0.1)
+    pruned, _ = ol.prune(m, ids, 0.3, cfg.recipe("FLAP"), cfg)
+    blocks = pruned.model.layers
+    assert all(b_.self_attn.o_proj.bias is not None and b_.mlp.down_proj.bias is not None for b_ in blocks)
+    assert pruned.config.out_bias and not om.sync_config(ol.prune(m, ids, 0.3, cfg.recipe("Wanda-sp"), cfg)[0]).out_bias
+    pruned.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert (back(input_ids=ids).logits - pruned(input_ids=ids).logits).abs().max() < 1e-5
+
+
+def _no_bias(lin: torch.nn.Linear) -> torch.nn.Linear:
+    out = torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
+    with torch.no_grad():
+        out.weight.copy_(lin.weight)
+    return out
 
 
 def test_from_llama_is_the_same_network_and_refuses_gqa():
