@@ -80,10 +80,11 @@ class Config:
         return {k: v if v is None else {**v, "ids_mode": self.ids_mode} for k, v in r.items()}
 
 
-def build(cfg: Config, spec: dict | None):
-    """A fresh tiny Llama, with OE attached when `spec` is given (seed torch first)."""
-    lm = zoo.tiny_llama(vocab_size=cfg.vocab, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                        d_ff=2 * cfg.d_model, max_len=cfg.seq_len)
+def build(cfg: Config, spec: dict | None, n_layers: int | None = None):
+    """A fresh tiny Llama (`n_layers` deep, default the toy's), with OE attached when `spec` is given (seed torch
+    first)."""
+    lm = zoo.tiny_llama(vocab_size=cfg.vocab, d_model=cfg.d_model, n_layers=n_layers or cfg.n_layers,
+                        n_heads=cfg.n_heads, d_ff=2 * cfg.d_model, max_len=cfg.seq_len)
     return lm if spec is None else ot.attach(lm, **spec)
 
 
@@ -127,16 +128,24 @@ def size_table(cfg: Config, x: torch.Tensor, ms, shapes=((2, 1), (3, 1), (3, 2))
 
 
 def toy_study(cfg: Config, seed: int, device: str = "cpu") -> dict:
-    """Train (or load from the cache) every run of `cfg.runs()` for the same steps; held-out metrics of each."""
+    """Train (or load from the cache) every run of `cfg.runs()` for the same steps, and the dense baseline with
+    twice the layers (`dense_name`: twice the non-embedding parameters, the abstract's "double-sized baseline");
+    held-out metrics of each."""
     task, x = cfg.task(seed), eval_batch(cfg, seed)
     tc = TrainConfig(steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr, weight_decay=0.0, seed=seed)
     out = {}
-    for name, spec in cfg.runs().items():
-        run = fit(partial(build, cfg, spec), task, tc, device=device)
+    builds = {name: (spec, partial(build, cfg, spec)) for name, spec in cfg.runs().items()}
+    builds[dense_name(cfg)] = (None, partial(build, cfg, None, 2 * cfg.n_layers))
+    for name, (spec, make) in builds.items():
+        run = fit(make, task, tc, device=device)
         oe = getattr(run.model, "oe", None)
         out[name] = {**held_out(run.model, task, x), "spec": spec, "losses": run.losses, "seconds": run.seconds,
                      "cached": run.cached, "oe_params": oe.n_params() if oe else 0, "model": run.model}
     return {"runs": out, "task": task, "x": x}
+
+
+def dense_name(cfg: Config) -> str:
+    return f"dense, {2 * cfg.n_layers} layers (2x)"
 
 
 def training_length(cfg: Config, seed: int, *, steps=(80, 400, 1600), lrs=(1e-2, 3e-3), device: str = "cpu") -> list:

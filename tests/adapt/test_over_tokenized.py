@@ -193,6 +193,11 @@ def test_training_length_reruns_the_toy_arms_at_other_lengths():
     assert rows[0]["OE"] == pytest.approx(runs[f"OE m={cfg.m_main}"]["excess"], abs=1e-6)
     assert rows[1]["baseline"] != pytest.approx(rows[0]["baseline"], abs=1e-4)
     assert rows[0]["cut"] == pytest.approx(1 - rows[0]["OE"] / rows[0]["baseline"])
+    # the "double-sized" dense baseline: twice the layers, so twice the non-embedding parameters, no OE
+    dense, base = runs[ots.dense_name(cfg)]["model"], runs["baseline"]["model"]
+    body = lambda m: sum(p.numel() for p in m.model.layers.parameters())
+    assert dense.config.num_hidden_layers == 2 * cfg.n_layers and body(dense) == 2 * body(base)
+    assert runs[ots.dense_name(cfg)]["oe_params"] == 0 and not hasattr(dense, "oe")
 
 
 def test_runs_cover_the_paper_settings_and_controls_switch_ids():
