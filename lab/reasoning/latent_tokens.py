@@ -239,8 +239,10 @@ def mix_trace(prompt: torch.Tensor, trace: torch.Tensor, solution: torch.Tensor,
 
 @dataclass(frozen=True)
 class TraceTask:
-    """Training data of one LM: `mode` "sol" (P ⊕ S), "cot" (P ⊕ C ⊕ S) or "latent" (X̃, k = m/L uniform in
-    0..n per example). Its fields key the trained-model cache, so Sol-Only and CoT do not depend on the VQ-VAE."""
+    """Training data of one LM: `mode` "sol" (P ⊕ S), "cot" (P ⊕ C ⊕ S), "pause" (P ⊕ <pause>×|C| ⊕ S: the Pause
+    Token baseline of Goyal et al. 2023, as many pauses as the trace has tokens, no loss on them; <pause> is id
+    `Vocab.bol` of a text-only model) or "latent" (X̃, k = m/L uniform in 0..n per example). Its fields key the
+    trained-model cache, so Sol-Only, CoT and Pause do not depend on the VQ-VAE."""
 
     task: Automaton
     mode: str = "cot"
@@ -278,10 +280,11 @@ class TraceTask:
             k = torch.randint(t.n_steps + 1, (n,), generator=generator)
             seqs = [mix_trace(P[i], C[i], S[i], z[i], int(k[i]), L=self.L, vocab=vocab) for i in range(n)]
         else:
-            seqs = list(torch.cat([P, S] if self.mode == "sol" else [P, C, S], 1))
+            mid = {"sol": C[:, :0], "cot": C, "pause": torch.full_like(C, vocab.bol)}[self.mode]
+            seqs = list(torch.cat([P, mid, S], 1))
         x = nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=vocab.pad)
         labels = x.masked_fill(x == vocab.pad, -100)
-        labels[:, : P.shape[1]] = -100  # loss on the response only
+        labels[:, : P.shape[1] + (C.shape[1] if self.mode == "pause" else 0)] = -100  # loss on the response only
         return {"input_ids": x, "labels": labels}
 
 
@@ -302,6 +305,8 @@ def train_lm(cfg: Config, mode: str, seed: int, *, codes: tuple[int, ...] = (), 
     vocab, task = vocab_of(cfg), TraceTask.of(cfg, mode, codes)
     if mode == "latent":
         lm, n_vocab = replace(cfg.lm, steps=cfg.latent_steps, batch_size=cfg.latent_batch), vocab.size
+    elif mode == "pause":
+        lm, n_vocab = cfg.lm, vocab.n_text + 1  # <pause> = vocab.bol
     else:
         lm, n_vocab = replace(cfg.lm, steps=cfg.sol_steps) if mode == "sol" else cfg.lm, vocab.n_text
     return lm.fit(task, n_vocab, seed=seed, device=device)

@@ -97,7 +97,7 @@ def _prefix(P: torch.Tensor, z: torch.Tensor, v: lt.Vocab) -> torch.Tensor:
 
 
 def toy_study(cfg: lt.Config, seed: int, device: str = "cpu") -> dict:
-    """VQ-VAE, the three LMs (Sol-Only, CoT, Latent) and every evaluation on `cfg.n_eval` held-out problems. The
+    """VQ-VAE, the four LMs (Sol-Only, CoT, Pause, Latent) and every evaluation on `cfg.n_eval` held-out problems. The
     VQ-VAE and every decoding are stage-cached and the LMs come from the trained-model cache, so a control
     recomputes only what it changes (`shuffled_codes`: the latent LM; `no_compression`: the VQ-VAE and the latent
     LM) and the evaluations of those."""
@@ -105,14 +105,17 @@ def toy_study(cfg: lt.Config, seed: int, device: str = "cpu") -> dict:
     vq, vq_losses = lt.train_vqvae(cfg, seed)
     table = lt.code_table(vq, cfg)  # (n_steps, n_states, L/r)
     codes = tuple(table.flatten().tolist())
-    runs = {m: lt.train_lm(cfg, m, seed, codes=codes, device=device) for m in ("sol", "cot", "latent")}
+    runs = {m: lt.train_lm(cfg, m, seed, codes=codes, device=device) for m in ("sol", "cot", "pause", "latent")}
     ex = task.sample(cfg.n_eval, torch.Generator().manual_seed(20_000 + seed))
     P, C, S = task.encode(ex)
     answer, budget = task.state_id(ex["states"][:, -1]), C.shape[1] + S.shape[1] + 6
     gen = {"Sol-Only": greedy(runs["sol"].model, P, v, latent=False, max_new=budget),
            "CoT": greedy(runs["cot"].model, P, v, latent=False, max_new=budget),
            "Latent-AR": greedy(runs["latent"].model, P, v, latent=True, max_new=budget)}
+    pauses = torch.full_like(C, v.bol)  # Pause reads as many <pause> positions as CoT writes trace tokens
+    gen["Pause"] = greedy(runs["pause"].model, torch.cat([P, pauses], 1), v, latent=False, max_new=budget)
     scores = {k: score(g, answer, v) for k, g in gen.items()}
+    scores["Pause"]["tokens"] += C.shape[1]  # its pauses count as positions, as CoT's trace tokens do
     frontier = {k: score(greedy(runs["latent"].model, P, v, latent=True, force_codes=k * cfg.n_z, max_new=budget),
                          answer, v) for k in range(task.n_steps + 1)}
     # the latent prefix given, not generated: the true codes of the first k chunks vs another problem's codes

@@ -109,6 +109,16 @@ def test_trace_task_batches_mask_the_prompt_and_padding():
     assert sol["input_ids"].shape[1] == plen + 3
     shuf = lt.TraceTask.of(replace(CFG, shuffled=True), "latent", codes)
     assert shuf.shuffled and lt.TraceTask.of(CFG, "cot") == lt.TraceTask.of(replace(CFG, shuffled=True), "cot")
+    # Pause (Goyal et al.): the CoT example with every trace token replaced by <pause>, no loss on prompt or pauses
+    cot = lt.TraceTask.of(CFG, "cot").batch(4, torch.Generator().manual_seed(1))
+    pau = lt.TraceTask.of(CFG, "pause").batch(4, torch.Generator().manual_seed(1))
+    n_c = cot["input_ids"].shape[1] - plen - 3  # the trace's length
+    assert pau["input_ids"].shape == cot["input_ids"].shape
+    assert (pau["input_ids"][:, plen:plen + n_c] == lt.vocab_of(CFG).bol).all()
+    assert torch.equal(pau["input_ids"][:, :plen], cot["input_ids"][:, :plen])
+    assert torch.equal(pau["input_ids"][:, plen + n_c:], cot["input_ids"][:, plen + n_c:])
+    assert (pau["labels"][:, :plen + n_c] == -100).all() and torch.equal(pau["labels"][:, plen + n_c:],
+                                                                         cot["labels"][:, plen + n_c:])
 
 
 class _Prefers(torch.nn.Module):
