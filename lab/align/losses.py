@@ -78,14 +78,14 @@ def plackett_luce(pi: Tensor, ref: Tensor, *, beta: float = 0.1) -> Tensor:
     return (tail - s)[:, :-1].sum(-1)
 
 
-def tdpo(pi: Tensor, ref: Tensor, *, beta: float = 0.1, kl: Tensor, alpha: float = 0.5,
+def tdpo(pi: Tensor, ref: Tensor, *, beta: float = 0.1, kl: Tensor | None = None, alpha: float = 0.5,
          tdpo2: bool = True) -> Tensor:
     """TDPO's loss −log σ(β·(Δh − δ)) from the sequence log-probs and the sequential KLs `kl` (B, 2) of the chosen
     and the rejected response, D_SeqKL(x, y; π_ref ‖ π_θ). TDPO1: δ = D_l − D_w; TDPO2 (the paper's recommended
     form and the official `tdpo_loss` default, α = 0.5): δ = α·(D_l − D_w) with no gradient through D_w. (The
     official config file sets `if_tdpo2: false`; its README runs TDPO2 with α = 0.5, β = 0.1.)"""
     h = implicit_reward(*_pair(pi, ref))
-    if kl.shape != pi.shape:
-        raise ValueError(f"tdpo needs kl of the shape of pi, (B, 2); got {tuple(kl.shape)}.")
+    if kl is None or kl.shape != pi.shape:
+        raise ValueError(f"tdpo needs kl of the shape of pi, (B, 2); got {None if kl is None else tuple(kl.shape)}.")
     delta = alpha * (kl[:, 1] - kl[:, 0].detach()) if tdpo2 else kl[:, 1] - kl[:, 0]
     return F.softplus(-beta * (h[:, 0] - h[:, 1] - delta))

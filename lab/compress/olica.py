@@ -31,8 +31,9 @@ The result is an `OlicaLlamaForCausalLM` (`lab.compress.pruned_llama`): a `Llama
 plain Llama cannot hold value heads narrower than Q/K heads, rank-r Q/K or the LC term. Baselines at the same sizes:
 random structured pruning, Wanda-sp (|W|·‖X‖ group sums on the raw neurons, unweighted SVD for Q/K), FLAP (An et al.,
 AAAI 2024; official CASIA-IVA-Lab/FLAP: the WIFV score Var[x_j]·‖W[:, j]‖² on the input channels of o_proj and
-down_proj, its uniform "UL-UM" structure, and the bias compensation W[:, pruned]·E[x_pruned] added to o_proj /
-down_proj; unweighted SVD for Q/K, the pruned upstream stream as every method here), plain unweighted SVD everywhere
+down_proj, its uniform "UL-UM" widths, and the bias compensation W[:, pruned]·E[x_pruned] added to o_proj /
+down_proj; in Olica's structure — value channels within every head where FLAP drops whole heads, unweighted SVD for
+Q/K — and on the pruned upstream stream, as every method here), plain unweighted SVD everywhere
 in attention, Fast OND without LC, full OND.
 """
 
@@ -47,7 +48,7 @@ import torch
 from torch import nn
 
 from lab.compress import pruned_llama as om
-from lab.compress.olica_capture import block_inputs, energy, run_block, taps
+from lab.compress.olica_capture import block_inputs, energy, run_block, stats, taps
 from lab.compress.pruned_llama import OlicaLlamaConfig, OlicaLlamaForCausalLM, param_table  # noqa: F401 (registers)
 from lab.models.spec import TinyLM
 
@@ -303,7 +304,10 @@ def prune(model: nn.Module, calib: torch.Tensor, s: float, recipe: Recipe, cfg: 
         with taps({"v": a.v_proj, "o": a.o_proj, "mlp": f, "mid": f.down_proj}) as t:
             run_block(b, x, kw)
         s_vin, s_oin, X = energy(t["v"][0]), energy(t["o"][0]), t["mlp"][0].flatten(0, -2)
-        x_o, x_mid = (t[k][0].float().flatten(0, -2) for k in ("o", "mid"))  # o_proj's, down_proj's inputs
+        # FLAP's statistics of o_proj's and down_proj's inputs (captured, like every method's energies, on this block
+        # before any of it is pruned), only for a recipe that reads them
+        flap = "flap" in (recipe.vo, recipe.ffn) or recipe.compensate
+        st = {k: stats(t[k][0]) if flap else (None, None) for k in ("o", "mid")}  # name -> (mean, variance)
         for name in ("q_proj", "k_proj"):
             w = getattr(a, name).weight
             if recipe.qk == "random":
@@ -314,12 +318,12 @@ def prune(model: nn.Module, calib: torch.Tensor, s: float, recipe: Recipe, cfg: 
             lr = om.low_rank(w.shape[1], plan.r_qk, w.shape[0]).to(w.device, w.dtype)
             lr[0].weight.copy_(w1), lr[1].weight.copy_(w2)
             setattr(a, name, lr)
-        prune_vo(a, vo_scores(a, recipe.vo, s_vin, s_oin, g, x_o.var(0)), H, plan.d_v,
-                 x_o.mean(0) if recipe.compensate else None)
+        prune_vo(a, vo_scores(a, recipe.vo, s_vin, s_oin, g, st["o"][1]), H, plan.d_v,
+                 st["o"][0] if recipe.compensate else None)
         dense = copy.deepcopy(f)
-        keep = ffn_keep(ffn_scores(f, recipe.ffn, energy(X), energy(x_mid), g, x_mid.var(0)), plan.d_ff,
+        keep = ffn_keep(ffn_scores(f, recipe.ffn, energy(X), energy(t["mid"][0]), g, st["mid"][1]), plan.d_ff,
                         0.01 if recipe.ffn == "olica" else 0.0)
-        bias = compensated_bias(f.down_proj, keep, x_mid.mean(0) if recipe.compensate else None)
+        bias = compensated_bias(f.down_proj, keep, st["mid"][0] if recipe.compensate else None)
         f.gate_proj, f.up_proj = (om.set_linear(m_, m_.weight[keep], None if m_.bias is None else m_.bias[keep])
                                   for m_ in (f.gate_proj, f.up_proj))
         f.down_proj, f.intermediate_size = om.set_linear(f.down_proj, f.down_proj.weight[:, keep], bias), len(keep)

@@ -56,3 +56,9 @@ def run_block(block: nn.Module, x: torch.Tensor, kw: dict) -> torch.Tensor:
 def energy(x: torch.Tensor) -> torch.Tensor:
     """Per-channel mean square over all tokens (the official `scaler_row`, up to a constant)."""
     return x.float().flatten(0, -2).pow(2).mean(0)
+
+
+def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and sample variance over all tokens: FLAP's E[x] and Var[x] (its WIFV score, its bias)."""
+    x = x.float().flatten(0, -2)
+    return x.mean(0), x.var(0)

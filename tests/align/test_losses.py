@@ -88,3 +88,5 @@ def test_tdpo_by_hand_and_its_stop_gradient():
         assert (k.grad[:, 0] == 0).all() == two and (k.grad[:, 1] > 0).all()  # more KL on y_l: higher loss
     with pytest.raises(ValueError, match=r"kl of the shape of pi"):
         tdpo(PI, REF, kl=kl[:, :1])
+    with pytest.raises(ValueError, match=r"got None"):
+        tdpo(PI, REF)

@@ -199,6 +199,37 @@ def test_flap_scores_and_bias_compensation_against_their_definitions(tmp_path):
         assert (back(input_ids=ids).logits - pruned(input_ids=ids).logits).abs().max() < 1e-5
 
 
+def test_flap_prune_keeps_the_wifv_best_channels_and_compensates_with_their_means():
+    """Inside `prune`, layer 0 (its inputs are the dense model's): the kept V/O channels of every head and the kept
+    FFN neurons are the top WIFV ones, computed here from hooks on the dense model's o_proj / down_proj inputs, and
+    the new biases are W[:, pruned]·E[x_pruned] with those inputs' means."""
+    m, ids = _tiny(), torch.randint(1, 50, (4, 16))
+    cfg = ol.Config(mlp_num=1, lc_ratio=0.1)
+    seen = {}
+    blk = m.model.layers[0]
+    hooks = [mod.register_forward_hook(lambda _m, inp, _o, k=k: seen.__setitem__(k, inp[0].flatten(0, 1).double()))
+             for k, mod in (("o", blk.self_attn.o_proj), ("mid", blk.mlp.down_proj))]
+    with torch.no_grad():
+        m(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    pruned, info = ol.prune(m, ids, 0.3, cfg.recipe("FLAP"), cfg)
+    new, plan, H = pruned.model.layers[0], info["plan"], m.config.num_attention_heads
+    for key, old_lin, new_lin in (("o", blk.self_attn.o_proj, new.self_attn.o_proj),
+                                  ("mid", blk.mlp.down_proj, new.mlp.down_proj)):
+        w_old, w_new, bias = old_lin.weight.detach().double(), new_lin.weight, new_lin.bias
+        wifv = seen[key].var(0) * w_old.pow(2).sum(0)
+        if key == "o":  # the d_v best of every head
+            dh = wifv.numel() // H
+            want = torch.cat([h * dh + wifv.view(H, dh)[h].topk(plan.d_v).indices.sort().values for h in range(H)])
+        else:
+            want = wifv.topk(plan.d_ff).indices.sort().values
+        torch.testing.assert_close(w_new.detach().double(), w_old[:, want], atol=1e-6, rtol=0)
+        off = torch.ones(len(wifv), dtype=torch.bool)
+        off[want] = False
+        torch.testing.assert_close(bias.detach().double(), w_old[:, off] @ seen[key].mean(0)[off], atol=1e-5, rtol=1e-4)
+
+
 def _no_bias(lin: torch.nn.Linear) -> torch.nn.Linear:
     out = torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
     with torch.no_grad():

@@ -102,6 +102,10 @@ def test_transformers_heuristic_schedule_by_hand():
     ys, gammas = [5, 5, 2, 4, 1, 1, 3], [4, 4, 4, 3, 4, 3, 2]
     got = bs.heuristic_throughput(np.array([0.5]), t, len(ys), Scripted([[y] for y in ys]))
     assert got == pytest.approx(sum(ys) / sum(t[g] for g in gammas))
+    # the +2 step away from the cap: γ 4 -> 3 -> 2 -> 1 on misses, then all accepted at γ = 1 (y 2) -> 3, not 2
+    ys, gammas = [1, 1, 1, 2, 1], [4, 3, 2, 1, 3]
+    got = bs.heuristic_throughput(np.array([0.5]), t, len(ys), Scripted([[y] for y in ys]))
+    assert got == pytest.approx(sum(ys) / sum(t[g] for g in gammas))
     # y capped at γ + 1: a scripted 9 in round 1 counts as 5 tokens
     assert bs.heuristic_throughput(np.array([0.5]), t, 1, Scripted([[9]])) == pytest.approx(5 / 3.0)
     rng = np.random.default_rng(0)  # a → 1: every draft accepted, γ stays at L; a = 0: γ falls to 1 and stays
