@@ -185,6 +185,8 @@ def compare(st: Study, r: int, cfg: hc.Config, seed: int = 0, *, which: str = "a
         init = [sorted(f.argsort(descending=True)[:r].tolist()) for f in st.freqs]  # the r most used experts
         add("k-means (fixed init)", [hc.cluster(f, r, method="kmeans_fixed", init=i)
                                      for f, i in zip(st.feats("output"), init)])
+        add("M-SMoE (dominant experts, router cosine, aligned)",
+            [hc.dominant_groups(f, fr, r) for f, fr in zip(st.feats("router"), st.freqs)], align=True)
     for how in "FSO":
         keep = [hc.prune_keep(m, x, r, how) for m, x in zip(moe_blocks(st.model), st.xs)]
         res[f"{how}-prune"] = {"loss": st.loss(hc.pruned(st.model, keep)), "keep": keep}

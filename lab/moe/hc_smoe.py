@@ -166,6 +166,22 @@ def cluster(feats: Tensor, r: int, *, method: str = "hierarchical", link: str = 
     raise ValueError(f"method={method!r} is unknown; use hierarchical, kmeans, kmeans_fixed or random.")
 
 
+def dominant_groups(router_feats: Tensor, f: Tensor, r: int) -> np.ndarray:
+    """M-SMoE's grouping (Li et al., ICLR 2024), as the HC-SMoE paper's baseline: the r most used experts (usage
+    `f`) are dominant, every other expert joins the dominant one whose router logits (`features(..., "router")`,
+    (E, N)) have the largest cosine similarity with its own; labels (E,). Single-shot, no iteration; r per layer
+    here, where M-SMoE ranks the dominant experts over all layers at once."""
+    E = len(f)
+    if not 1 <= r <= E:
+        raise params.ParamError(f"r={r} experts per layer: it must be between 1 and the model's {E} experts.")
+    dom = f.argsort(descending=True)[:r]
+    sim = torch.nn.functional.normalize(router_feats.double(), dim=1)
+    sim = sim @ sim[dom].T  # (E, r)
+    labels = sim.argmax(1)
+    labels[dom] = torch.arange(r)
+    return canonical(labels.numpy())
+
+
 # ------------------------------------------------------------------------ step 4: merging
 
 def align_neurons(anchor: tuple[Tensor, ...], other: tuple[Tensor, ...]) -> tuple[Tensor, ...]:

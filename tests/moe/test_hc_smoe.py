@@ -73,6 +73,26 @@ def test_random_and_kmeans_groups_have_r_clusters():
     assert sorted(np.bincount(hc.cluster(X, 4, method="random", seed=5)).tolist()) == [2, 2, 2, 2]
 
 
+def test_m_smoe_dominant_groups_by_hand():
+    """M-SMoE: the r most used experts lead; each other expert joins the dominant one of largest router-logit cosine
+    (a naive loop over Python floats here), whatever the vectors' lengths; r out of range is a ParamError."""
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(6, 10, generator=g)
+    feats[4] = 7.0 * feats[1] + 0.01 * torch.randn(10, generator=g)  # 4 points where 1 does, far longer
+    f = torch.tensor([0.30, 0.05, 0.25, 0.10, 0.20, 0.10])
+    labels = hc.dominant_groups(feats, f, 3)
+    dom = [0, 2, 4]  # the three most used
+    cos = lambda a, b: float(a @ b / (a.norm() * b.norm()))
+    want = {d: d for d in dom}
+    for e in (1, 3, 5):
+        want[e] = max(dom, key=lambda d: cos(feats[e], feats[d]))
+    assert want[1] == 4
+    assert np.array_equal(labels, hc.canonical([want[e] for e in range(6)]))
+    assert len(set(labels[dom])) == 3  # the dominant experts stay apart
+    with pytest.raises(ParamError, match="between 1 and"):
+        hc.dominant_groups(feats, f, 7)
+
+
 def test_usage_frequencies_by_a_token_loop(model, xs):
     mlp, x = blocks.moe_blocks(model)[0], xs[0]
     counts = torch.zeros(4)
