@@ -66,7 +66,7 @@ class Config:
 
 @dataclass
 class Pool:
-    """Per-prompt best-vs-worst pairs and their metrics (all (Q,))."""
+    """Per-prompt best-vs-worst pairs and their metrics (all (Q,)), and every sample's reward r (Q, N)."""
 
     w: Tensor  # index of the chosen (best) sample
     l: Tensor  # index of the rejected (worst) sample
@@ -75,6 +75,7 @@ class Pool:
     m2: Tensor  # rejected length
     m3: Tensor  # reward gap
     valid: Tensor  # r_w > r_l
+    r: Tensor | None = None
 
 
 def best_vs_worst(r: Tensor, length: Tensor) -> Pool:
@@ -86,7 +87,18 @@ def best_vs_worst(r: Tensor, length: Tensor) -> Pool:
     w = r.argmax(1)  # the first maximal index (torch's documented tie rule): the sorted list's head
     l = r.shape[1] - 1 - r.flip(1).argmin(1)  # the last minimal index: the sorted list's tail
     rw, rl = r[Q, w], r[Q, l]
-    return Pool(w, l, rw, rl, length[Q, l].float(), rw - rl, rw > rl)
+    return Pool(w, l, rw, rl, length[Q, l].float(), rw - rl, rw > rl, r)
+
+
+def best_vs_bottom_quartile(pool: Pool, length: Tensor, generator: torch.Generator) -> Pool:
+    """Table 17's re-pairing, no filter: the same chosen (best) response against one drawn uniformly from its
+    prompt's bottom 25 % of samples by reward (the ⌊N/4⌋ lowest, at least one; ties in generation order)."""
+    Q, (n, N) = torch.arange(len(pool.r)), pool.r.shape
+    k = max(1, N // 4)
+    bottom = pool.r.argsort(dim=1, stable=True)[:, :k]
+    l = bottom[Q, torch.randint(k, (n,), generator=generator)]
+    rw, rl = pool.r[Q, pool.w], pool.r[Q, l]
+    return Pool(pool.w, l, rw, rl, length[Q, l].float(), rw - rl, rw > rl, pool.r)
 
 
 def thresholds(pool: Pool, q: tuple[float, float, float] = (0.5, 0.5, 0.5)) -> tuple[float, float, float]:

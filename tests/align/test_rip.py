@@ -37,6 +37,23 @@ def test_best_vs_worst_metrics_by_hand():
     assert p.valid.tolist() == [True] * 5 + [False]
 
 
+def test_best_vs_bottom_quartile_draws_from_the_lowest_quarter():
+    """Table 17's re-pairing: the chosen stays the best; the rejected is one of the ⌊N/4⌋ lowest-reward samples,
+    uniformly (all of them seen over many draws, never another), its metrics recomputed from r."""
+    r = torch.tensor([[0.9, 0.1, 0.5, 0.2, 0.3, 0.0, 0.8, 0.4], [0.5] * 8])
+    length = torch.arange(16.0).view(2, 8)
+    base = R.best_vs_worst(r, length)
+    g, seen = torch.Generator().manual_seed(0), set()
+    for _ in range(50):
+        p = R.best_vs_bottom_quartile(base, length, g)
+        assert p.w.tolist() == base.w.tolist() and int(p.l[0]) in (5, 1)  # rewards 0.0 and 0.1: the 2 lowest of 8
+        seen.add(int(p.l[0]))
+        torch.testing.assert_close(p.m1, r[[0, 1], p.l])
+        assert p.m2.tolist() == length[[0, 1], p.l].tolist() and p.valid.tolist() == [True, False]
+        assert int(p.l[1]) in (0, 1)  # all tied: the first two in generation order
+    assert seen == {1, 5}
+
+
 def lumiopen_pair(rewards: list[float]) -> tuple[int, int]:
     """The public re-implementation's choice (LumiOpen/rip): sort the samples by score, descending, with
     Python's stable sort; best = the head, worst = the tail."""
