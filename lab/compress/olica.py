@@ -22,6 +22,8 @@ Conventions follow the official code where it is more specific than the paper's 
 - **sr_allocation** (k = 3): s_qk = 2s, s_vp = 2s/(1+k) for s ≤ 0.4; the FFN takes the rest of the budget.
   Here the budget also pays for the LC terms, so every method has the same parameter count (the official code adds
   them on top, ≈ 0.1 % at its defaults).
+- **Biases** (a Llama config with `attention_bias`; the paper's models have none): v_proj's bias folds into o_proj's
+  before the rotation (exact), rank-r Q/K keep their biases, pruned channels drop theirs.
 - **Two passes**: pass 1 rotates every layer and scores it on the dense stream; pass 2 prunes layer by layer, each
   layer seeing the already pruned upstream layers.
 
@@ -207,11 +209,25 @@ def rotate(attn: nn.Module, how: str, e_out: torch.Tensor, e_in: torch.Tensor, H
     """Re-parameterise V/O of one attention module in place (exact: the function is unchanged)."""
     if how == "none":
         return
+    fold_value_bias(attn)
     wv, wo = attn.v_proj.weight, attn.o_proj.weight
     new = full_ond(wv, wo, e_out, e_in, H) if how == "full" else fast_ond(wv, wo, torch.ones_like(e_out)
                                                                           if how == "plain" else e_out, H)
     with torch.no_grad():
         wv.copy_(new[0]), wo.copy_(new[1])
+
+
+def fold_value_bias(attn: nn.Module) -> None:
+    """Move v_proj's bias into o_proj's: b_o ← b_o + W_o b_v, b_v ← 0. Exact, because attention weights sum to one,
+    so every output carries W_o b_v whatever it attends to; it lets the rotation (which mixes value channels) and the
+    pruning (which drops them) act on weights alone. Llama has no biases; a config with `attention_bias` does."""
+    v, o = attn.v_proj, attn.o_proj
+    if v.bias is None:
+        return
+    b = o.weight.float() @ v.bias.float() + (0 if o.bias is None else o.bias.float())
+    attn.o_proj = om.set_linear(o, o.weight, b.to(o.weight.dtype))
+    with torch.no_grad():
+        v.bias.zero_()
 
 
 def vo_scores(attn: nn.Module, how: str, s_vin, s_oin, g: torch.Generator, var_oin=None) -> torch.Tensor:
@@ -315,8 +331,11 @@ def prune(model: nn.Module, calib: torch.Tensor, s: float, recipe: Recipe, cfg: 
                 w1, w2 = P.T, w.float() @ P
             else:
                 w1, w2 = weighted_svd(w, s_vin if recipe.qk == "weighted" else None, plan.r_qk)
-            lr = om.low_rank(w.shape[1], plan.r_qk, w.shape[0]).to(w.device, w.dtype)
+            bias = getattr(a, name).bias  # a biased Q/K (`attention_bias`) keeps its bias after the rank-r product
+            lr = om.low_rank(w.shape[1], plan.r_qk, w.shape[0], bias is not None).to(w.device, w.dtype)
             lr[0].weight.copy_(w1), lr[1].weight.copy_(w2)
+            if bias is not None:
+                lr[1].bias.copy_(bias)
             setattr(a, name, lr)
         prune_vo(a, vo_scores(a, recipe.vo, s_vin, s_oin, g, st["o"][1]), H, plan.d_v,
                  st["o"][0] if recipe.compensate else None)

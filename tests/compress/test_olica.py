@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -59,6 +60,54 @@ def test_ond_rotation_leaves_the_logits_unchanged():
     m, ids = _tiny(), torch.randint(1, 50, (3, 12))
     exact = ols.ond_exactness(m, ids)
     assert exact["fast"] < 1e-5 and exact["full"] < 1e-5  # relative to max |logits|
+
+
+def _biased(seed=0, d=32, L=2, H=4, F=64, V=50):
+    """A Llama config with `attention_bias` and `mlp_bias`, every bias drawn away from zero."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=d, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
+                      num_key_value_heads=H, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+                      attn_implementation="eager")
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return m
+
+
+def test_biased_attention_rotates_exactly_and_prunes_keeping_its_biases(tmp_path):
+    """With `attention_bias`: v_proj's bias folds into o_proj's (b_o + W_o b_v, exact since attention weights sum to
+    one), so both OND rotations leave the logits unchanged (before the fold the rotation changed them by ~10 %);
+    rank-r Q/K keep the dense q/k biases; a pruned model reloads with no missing key and the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    m, ids = _biased(), torch.randint(1, 50, (3, 12))
+    exact = ols.ond_exactness(m, ids)
+    assert exact["fast"] < 1e-5 and exact["full"] < 1e-5
+    a, x = copy.deepcopy(m.model.layers[0].self_attn), torch.randn(6, 32)
+    P = torch.rand(6, 6).softmax(1)  # a mix whose rows sum to one, as attention's
+
+    def out(P):
+        return a.o_proj(P @ a.v_proj(x))
+
+    before, before_2 = out(P), out(2 * P)
+    ol.fold_value_bias(a)
+    torch.testing.assert_close(out(P), before)
+    assert (out(2 * P) - before_2).abs().max() > 0.1  # rows summing to two: the fold is not exact, the test can fail
+    assert a.v_proj.bias.abs().max() == 0
+    cfg = ol.Config(mlp_num=1)
+    pruned, _ = ol.prune(m, ids, 0.3, cfg.recipe(cfg.method), cfg)
+    for dense, new in zip(m.model.layers, pruned.model.layers):
+        for name in ("q_proj", "k_proj"):
+            torch.testing.assert_close(getattr(new.self_attn, name)[1].bias, getattr(dense.self_attn, name).bias)
+    pruned.save_pretrained(tmp_path)
+    back, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        assert (back.eval()(input_ids=ids).logits - pruned(input_ids=ids).logits).abs().max() < 1e-5
 
 
 def test_weighted_svd_reaches_the_eckart_young_error_and_beats_unweighted_svd_in_its_norm():
