@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lab.compress import rotate
+from lab.compress.gptq import gptq_model
 from lab.compress.quant import fake_quant
 from lab.compress.rotate import KINDS, QuantSpec, Rotations, linears, quantize_model
 
@@ -263,7 +264,8 @@ def _arm(base, name: str, make=None) -> nn.Module:
 
 def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = None) -> dict:
     """Pre-train on COPY (cached), then every arm on ROT1 at W4A4KV4, evaluated on held-out prompts:
-    FP SFT; FP SFT + RTN PTQ; FP SFT + QuaRot-like PTQ (R1 + all R2–R4, then RTN); STE QA-SFT (no rotation);
+    FP SFT; FP SFT + RTN PTQ or GPTQ (`lab.compress.gptq`, calibrated on the calibration prompts); FP SFT +
+    QuaRot-like PTQ (R1 + all R2–R4, then RTN or GPTQ weights); STE QA-SFT (no rotation);
     RoSTE (R1 + the adaptive R2/R3/R4 chosen on the pre-trained model, then STE QA-SFT); complete rotation
     (R1 + all R2–R4, then STE QA-SFT; the ablation of Table 3). Each fine-tuning arm runs the lrs of `cfg.lrs`,
     largest first, until one is perfect on validation prompts apart from the test ones, and keeps the best of
@@ -307,15 +309,18 @@ def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = 
         runs["complete rotation"] = run("complete rotation", "complete",
                                         lambda: quantize_model(pre.model, qs, rot, choice=on, **kw))
     fp = rotate.rotate_r1(copy.deepcopy(runs["FP SFT"].model), rotate.matrix(rot.r1).T)  # back to the raw basis
-    models = {"FP SFT": fp, "RTN PTQ": quantize_model(fp, qs),
+    quarot_fp = quantize_model(fp, qs.off(), rot, choice=on, **kw)  # GPTQ sets its weights in place
+    models = {"FP SFT": fp, "RTN PTQ": quantize_model(fp, qs), "GPTQ PTQ": gptq_model(quantize_model(fp, qs.off()),
+                                                                                     calib, qs),
               "QuaRot-like PTQ": quantize_model(fp, qs, rot, choice=on, **kw),
+              "QuaRot-like PTQ, GPTQ weights": gptq_model(quarot_fp, calib, qs),
               **{k: r.model for k, r in runs.items() if k != "FP SFT"}}
     fp64 = copy.deepcopy(fp).double()  # invariance measured in float64 (rotations are done in float64)
     rotated_fp = quantize_model(fp64, qs.off(), rot, choice=on, **kw)
     with torch.no_grad():
         ref = fp64(input_ids=ev["input_ids"]).logits
         inv = (rotated_fp(input_ids=ev["input_ids"]).logits - ref).abs().max().item()
-    errors = {k: layer_errors(m, calib) for k, m in models.items() if k != "FP SFT"}
+    errors = {k: layer_errors(m, calib) for k, m in models.items() if k != "FP SFT" and "GPTQ" not in k}
     return {"pre": pre, "runs": runs, "models": models, "search": search, "choice": choice, "calib": calib,
             "grid": grid, "lr": best,
             "eval": ev, "logit_scale": ref.abs().max().item(), "invariance": inv,
