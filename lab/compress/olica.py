@@ -23,7 +23,7 @@ Conventions follow the official code where it is more specific than the paper's 
   Here the budget also pays for the LC terms, so every method has the same parameter count (the official code adds
   them on top, ≈ 0.1 % at its defaults).
 - **Biases** (a Llama config with `attention_bias`; the paper's models have none): v_proj's bias folds into o_proj's
-  before the rotation (exact), rank-r Q/K keep their biases, pruned channels drop theirs.
+  before any rotation or pruning (exact; every recipe), rank-r Q/K keep their biases, pruned FFN channels drop theirs.
 - **Two passes**: pass 1 rotates every layer and scores it on the dense stream; pass 2 prunes layer by layer, each
   layer seeing the already pruned upstream layers.
 
@@ -207,9 +207,9 @@ def make_plan(model: nn.Module, s: float, k: float, lc_layers=(), lc_ratio: floa
 
 def rotate(attn: nn.Module, how: str, e_out: torch.Tensor, e_in: torch.Tensor, H: int) -> None:
     """Re-parameterise V/O of one attention module in place (exact: the function is unchanged)."""
+    fold_value_bias(attn)  # every recipe: exact, and a baseline that drops value channels keeps their bias's share
     if how == "none":
         return
-    fold_value_bias(attn)
     wv, wo = attn.v_proj.weight, attn.o_proj.weight
     new = full_ond(wv, wo, e_out, e_in, H) if how == "full" else fast_ond(wv, wo, torch.ones_like(e_out)
                                                                           if how == "plain" else e_out, H)
@@ -219,8 +219,10 @@ def rotate(attn: nn.Module, how: str, e_out: torch.Tensor, e_in: torch.Tensor, H
 
 def fold_value_bias(attn: nn.Module) -> None:
     """Move v_proj's bias into o_proj's: b_o ← b_o + W_o b_v, b_v ← 0. Exact, because attention weights sum to one,
-    so every output carries W_o b_v whatever it attends to; it lets the rotation (which mixes value channels) and the
-    pruning (which drops them) act on weights alone. Llama has no biases; a config with `attention_bias` does."""
+    so every output carries W_o b_v whatever it attends to (except a query that may attend to nothing, e.g. a
+    left-padding position under SDPA, whose output no loss reads); it lets the rotation (which mixes value channels)
+    and the pruning (which drops them) act on weights alone. Llama has no biases; a config with `attention_bias`
+    does."""
     v, o = attn.v_proj, attn.o_proj
     if v.bias is None:
         return

@@ -120,16 +120,17 @@ def quant_sensitivity(model: nn.Module, batch: dict[str, Tensor], xs: list[Tenso
 
 
 def expert_variants(model: nn.Module, xs_cal: list[Tensor], t_up: Tensor, k: float, experts: dict, control: str = "",
-                    seed: int = 0, nbits: int = 2, group_size: int = 64) -> dict[str, blocks.ExpertFn]:
+                    seed: int = 0, group_size: int = 64) -> dict[str, blocks.ExpertFn]:
     """The FloE expert (Eq. 11, `experts`: thresholds on its INT2 a_up) and its baselines at sparsity k, each
     calibrated on the activation it masks: up sparsified alone (full-precision W_up, so `t_up` is calibrated on the
     full-precision a_up), CATS (gate mask), a random mask of the up mask's size, and the whole expert in HQQ INT2
-    (what Mixtral-offloading moves)."""
+    (what Mixtral-offloading moves) and INT3 (the paper's other quantization baseline, Table 3)."""
     return {"FloE (INT2 up + sparse)": fl.floe_fn(experts),
             "up sparse only": fl.sparse_fn(model, t_up, fl.mask_source("up", control), control, seed),
             "CATS (gate sparse)": fl.sparse_fn(model, fl.thresholds(model, xs_cal, k, "gate"), "gate"),
             "random mask": fl.sparse_fn(model, t_up, "up", "random_mask", seed),
-            "HQQ INT2 expert": fl.quant_fn(model, fl.MATRICES, nbits, group_size)}
+            "HQQ INT2 expert": fl.quant_fn(model, fl.MATRICES, 2, group_size),
+            "HQQ INT3 expert": fl.quant_fn(model, fl.MATRICES, 3, group_size)}
 
 
 def variant_quality(model: nn.Module, batch: dict[str, Tensor], xs: list[Tensor], variants: dict[str, blocks.ExpertFn],

@@ -131,7 +131,7 @@ def checkpoint(model: str, data: str, cfg: fl.Config, *, k: float = 0.8, n_block
     t_fp = fl.thresholds(net, xs_cal, k, "up")  # full-precision a_up: the up-only and random-mask baselines
     experts = fl.floe_experts(net, fl.floe_thresholds(net, xs_cal, k, cfg.nbits, cfg.group_size), cfg.nbits,
                               cfg.group_size)
-    variants = fb.expert_variants(net, xs_cal, t_fp, k, experts, nbits=cfg.nbits, group_size=cfg.group_size)
+    variants = fb.expert_variants(net, xs_cal, t_fp, k, experts, group_size=cfg.group_size)
     layers = list(range(1, len(xs_ev)))
     mlp0 = blocks.moe_blocks(net)[0]
     return {"model": {"type": net.config.model_type, "layers": len(xs_ev), "experts": mlp0.experts.down_proj.shape[0],

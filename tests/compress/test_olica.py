@@ -103,6 +103,8 @@ def test_biased_attention_rotates_exactly_and_prunes_keeping_its_biases(tmp_path
     for dense, new in zip(m.model.layers, pruned.model.layers):
         for name in ("q_proj", "k_proj"):
             torch.testing.assert_close(getattr(new.self_attn, name)[1].bias, getattr(dense.self_attn, name).bias)
+    wanda, _ = ol.prune(m, ids, 0.3, cfg.recipe("Wanda-sp"), cfg)  # no rotation, and still folded
+    assert all(b_.self_attn.v_proj.bias.abs().max() == 0 for b_ in wanda.model.layers)
     pruned.save_pretrained(tmp_path)
     back, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -128,7 +128,10 @@ def test_variant_quality_closed_forms(model, xs):
     t_up = fl.thresholds(model, xs, 0.75, "up")
     variants = fb.expert_variants(model, xs, t_up, 0.75, fl.floe_experts(model, t_up, group_size=16), group_size=16)
     assert list(variants) == ["FloE (INT2 up + sparse)", "up sparse only", "CATS (gate sparse)", "random mask",
-                              "HQQ INT2 expert"]
+                              "HQQ INT2 expert", "HQQ INT3 expert"]
+    errs = {b: fb.variant_quality(model, batch, xs, {b: variants[f"HQQ INT{b} expert"]}, base, (1, 2))[b]["err"]
+            for b in (2, 3)}
+    assert 0 < errs[3] < errs[2]  # one more bit, a smaller error: the two rows are not the same quantizer
     assert torch.equal(variants["up sparse only"](1, 2, xs[1]), fl.sparse_fn(model, t_up, "up")(1, 2, xs[1]))
 
 
