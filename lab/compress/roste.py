@@ -264,8 +264,9 @@ def _arm(base, name: str, make=None) -> nn.Module:
 
 def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = None) -> dict:
     """Pre-train on COPY (cached), then every arm on ROT1 at W4A4KV4, evaluated on held-out prompts:
-    FP SFT; FP SFT + RTN PTQ or GPTQ (`lab.compress.gptq`, calibrated on the calibration prompts); FP SFT +
-    QuaRot-like PTQ (R1 + all R2–R4, then RTN or GPTQ weights); STE QA-SFT (no rotation);
+    FP SFT; FP SFT + RTN PTQ or GPTQ (`lab.compress.gptq`, calibrated on the calibration prompts, with QuaRot's MSE
+    clip search or without, whichever the validation prompts prefer); FP SFT + QuaRot-like PTQ (R1 + all R2–R4,
+    then RTN or GPTQ weights); STE QA-SFT (no rotation);
     RoSTE (R1 + the adaptive R2/R3/R4 chosen on the pre-trained model, then STE QA-SFT); complete rotation
     (R1 + all R2–R4, then STE QA-SFT; the ablation of Table 3). Each fine-tuning arm runs the lrs of `cfg.lrs`,
     largest first, until one is perfect on validation prompts apart from the test ones, and keeps the best of
@@ -309,11 +310,19 @@ def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = 
         runs["complete rotation"] = run("complete rotation", "complete",
                                         lambda: quantize_model(pre.model, qs, rot, choice=on, **kw))
     fp = rotate.rotate_r1(copy.deepcopy(runs["FP SFT"].model), rotate.matrix(rot.r1).T)  # back to the raw basis
-    quarot_fp = quantize_model(fp, qs.off(), rot, choice=on, **kw)  # GPTQ sets its weights in place
-    models = {"FP SFT": fp, "RTN PTQ": quantize_model(fp, qs), "GPTQ PTQ": gptq_model(quantize_model(fp, qs.off()),
-                                                                                     calib, qs),
+    gptq_clip = {}
+
+    def gptq(make, arm):  # QuaRot's MSE clip search or the plain min-max grid, whichever is better on validation
+        cands = {mse: gptq_model(make(), calib, qs, mse=mse) for mse in (True, False)}
+        score = {mse: evaluate(m, val) for mse, m in cands.items()}
+        gptq_clip[arm] = max(score, key=lambda mse: (score[mse]["acc"], -score[mse]["nll"]))
+        return cands[gptq_clip[arm]]
+
+    models = {"FP SFT": fp, "RTN PTQ": quantize_model(fp, qs),
+              "GPTQ PTQ": gptq(lambda: quantize_model(fp, qs.off()), "GPTQ PTQ"),
               "QuaRot-like PTQ": quantize_model(fp, qs, rot, choice=on, **kw),
-              "QuaRot-like PTQ, GPTQ weights": gptq_model(quarot_fp, calib, qs),
+              "QuaRot-like PTQ, GPTQ weights": gptq(lambda: quantize_model(fp, qs.off(), rot, choice=on, **kw),
+                                                    "QuaRot-like PTQ, GPTQ weights"),
               **{k: r.model for k, r in runs.items() if k != "FP SFT"}}
     fp64 = copy.deepcopy(fp).double()  # invariance measured in float64 (rotations are done in float64)
     rotated_fp = quantize_model(fp64, qs.off(), rot, choice=on, **kw)
@@ -322,7 +331,7 @@ def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = 
         inv = (rotated_fp(input_ids=ev["input_ids"]).logits - ref).abs().max().item()
     errors = {k: layer_errors(m, calib) for k, m in models.items() if k != "FP SFT" and "GPTQ" not in k}
     return {"pre": pre, "runs": runs, "models": models, "search": search, "choice": choice, "calib": calib,
-            "grid": grid, "lr": best,
+            "grid": grid, "lr": best, "gptq_mse_clip": gptq_clip,
             "eval": ev, "logit_scale": ref.abs().max().item(), "invariance": inv,
             "metrics": {k: evaluate(m, ev) for k, m in models.items()},
             "eq12": {k: sum(e["total"] for e in v) for k, v in errors.items()},

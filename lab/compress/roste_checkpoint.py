@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from lab.compress.gptq import gptq_model
 from lab.compress.roste import Config, adaptive
-from lab.compress.rotate import QuantSpec, Rotations, quantize_model
+from lab.compress.rotate import KINDS, QuantSpec, Rotations, quantize_model
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -49,8 +50,9 @@ def checkpoint(model: str, data: str, cfg: Config, *, steps: int = 20, lr: float
                block_len: int = 128, batch: int = 4, seed: int = 0, device: str = "cpu", out_dir: str = "") -> dict:
     """RoSTE on a checkpoint: calibration blocks from `data` (`lab.data.text`), the rotation search on the first
     half (R1 + adaptive R2/R3/R4), `steps` of STE QA-SFT (next-token loss, AdamW, through `accelerate`'s
-    `Accelerator`, so `accelerate launch` spreads it over GPUs), held-out loss of the FP model, of RTN and of the
-    rotated model before and after QA-SFT; the result written by `save`. Measurements only (no toy threshold)."""
+    `Accelerator`, so `accelerate launch` spreads it over GPUs), held-out loss of the FP model, of RTN, of QuaRot
+    with GPTQ weights (calibrated on the search's blocks) and of the rotated model before and after QA-SFT; the
+    result written by `save`. Measurements only (no toy threshold)."""
     from accelerate import Accelerator
 
     from lab.core.params import ParamError
@@ -64,7 +66,10 @@ def checkpoint(model: str, data: str, cfg: Config, *, steps: int = 20, lr: float
     qs, rot = cfg.quant(), Rotations.draw(net.config, seed)
     search = adaptive(net, qs, rot, train_ids)
     q = quantize_model(net, qs, rot, r1=True, choice=search["choice"])
+    on = [dict.fromkeys(KINDS, True) for _ in search["choice"]]  # QuaRot: R1 + every R2–R4, GPTQ weights
     res = {"loss": {"FP": lm_loss(net, ev), "RTN PTQ": lm_loss(quantize_model(net, qs), ev),
+                    "QuaRot-like PTQ, GPTQ weights": lm_loss(gptq_model(quantize_model(net, qs.off(), rot, r1=True,
+                                                                                      choice=on), train_ids, qs), ev),
                     "rotated, before QA-SFT": lm_loss(q, ev)}, "choice": search["choice"]}
     acc = Accelerator(cpu=dev.type == "cpu")
     opt = torch.optim.AdamW([p for p in q.parameters() if p.requires_grad], lr=lr)

@@ -177,7 +177,8 @@ def test_checkpoint_folder_is_rotated_trained_saved_and_reloads(tmp_path):
     rec = json.loads((tmp_path / "out" / "14_roste.json").read_text())
     assert rec["status"] == "measured" and rec["claims"] == []
     ck = rec["metrics"]["checkpoint"]
-    assert set(ck["loss"]) == {"FP", "RTN PTQ", "rotated, before QA-SFT", "RoSTE (after QA-SFT)"}
+    assert set(ck["loss"]) == {"FP", "RTN PTQ", "QuaRot-like PTQ, GPTQ weights", "rotated, before QA-SFT",
+                               "RoSTE (after QA-SFT)"}
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     assert back.config.model_type == "llama" and (tmp_path / "q" / "roste.json").exists()
     assert ck["saved"]["reload_max_abs_logit_diff"] <= 1e-5
