@@ -41,6 +41,8 @@ CONTROLS = {  # the substitutions a skeptic would make; the notebook declares wh
     "l1_on_new_domain": "the ℓ1 neutrality loss taken on the new-language (B) tokens instead of the original ones",
     "vanilla": "neutral residues replaced by vanilla adapters (no gate, no ℓ1, default init) in every NR arm",
     "no_replay": "no original-domain data in the mixture (p = 0 in every arm, so ℓ1 sees no original token)",
+    "replay_new_language": "the replayed fraction p is new-language (B) text flagged as original: the same mixture "
+                           "and ℓ1 schedule, with nothing of the original domain in it",
 }
 
 

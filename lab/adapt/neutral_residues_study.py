@@ -60,6 +60,7 @@ class Config:
     extra: float = 0.2
     lora_r: int = 8  # about the adapters' budget on the toy (see `budgets`)
     n_eval: int = 128  # held-out sequences per language
+    replay: str = "A'"  # what the replayed fraction p is: A′ (original-domain text); "B" under `replay_new_language`
     control: str = ""
 
     @classmethod
@@ -68,7 +69,7 @@ class Config:
             raise ValueError(f"scale={scale!r} is unknown; use one of {', '.join(params.SCALES)}.")
         control = nr.check_control(control)
         sizes = {} if scale == "smoke" else dict(steps=600, batch_size=32, n_eval=512)
-        return cls(**sizes, control=control)
+        return cls(**sizes, control=control, replay="B" if control == "replay_new_language" else "A'")
 
     def arm(self, method: str, **kw) -> Arm:
         """An arm of `method` at this config's lr, p, α and budget; NR arms bend to the control."""
@@ -124,7 +125,7 @@ def prepare(base, arm: Arm, lora_r: int = 8, seed: int = 0):
 def batches(cfg: Config, p: float, seed: int):
     """The adaptation stream: `cfg.steps` mixture batches, the same for every arm of a seed."""
     g = torch.Generator().manual_seed(seed)
-    return [cfg.data.mix(cfg.batch_size, p, g) for _ in range(cfg.steps)]
+    return [cfg.data.mix(cfg.batch_size, p, g, original=cfg.replay) for _ in range(cfg.steps)]
 
 
 def adapt(base, stream: list[dict], arm: Arm, *, lora_r: int = 8, seed: int = 0, device: str = "cpu"):
