@@ -40,6 +40,7 @@ CONTROLS = {
     "e_is_one_over_p": "a wrong calibrator: e = 1/p (not an e-value: E[1/p] = ∞ under the null)",
     "shared_permutation_seed": "the null tables permute every column with ONE permutation (rows stay intact), the "
                                "official code's seed bug taken to its limit: the null is not null",
+    "no_relevance_filter": "the relevance judge removed: every test the designer proposes is run and counted",
 }
 RULES = ("popper", "popper_integral", "fisher", "llm_lr", "naive")
 DESIGN_KEYS = ("name", "h0", "h1")
@@ -56,6 +57,7 @@ class Config:
     relevance: float = 0.8  # relevance threshold (the rubric's 0.8)
     calibrator: str = "kappa"  # "kappa" | "integral" | "one_over_p" (the e_is_one_over_p control)
     shared_permutation: bool = False  # the shared_permutation_seed control
+    relevance_filter: bool = True  # False under the no_relevance_filter control (the synthetic study's judge)
     n_mc: int = 200_000  # Monte-Carlo replicates of p-value sequences
     mc_shift: float = 1.5  # one-sided z-test shift μ of the alternative sub-tests
     n_real: int = 300  # null hypotheses on permuted real tables
@@ -71,8 +73,8 @@ class Config:
 
     @classmethod
     def for_scale(cls, scale: str, control: str = "", *, llm: bool = False, **overrides) -> Config:
-        """Sizes for `scale`; `control` sets the wrong calibrator or the shared permutation; `llm=True` (a real
-        model drives the loop, the toy studies are skipped) keeps the Monte Carlo short."""
+        """Sizes for `scale`; `control` sets the wrong calibrator, the shared permutation or drops the relevance
+        judge; `llm=True` (a real model drives the loop, the toy studies are skipped) keeps the Monte Carlo short."""
         if scale not in params.SCALES:
             raise ValueError(f"scale={scale!r} is unknown; use one of {', '.join(params.SCALES)}.")
         params.check_control(control, CONTROLS)
@@ -80,6 +82,7 @@ class Config:
         sizes |= dict(n_mc=20_000) if llm else {}
         wrong = dict(calibrator="one_over_p") if control == "e_is_one_over_p" else {}
         wrong |= dict(shared_permutation=True) if control == "shared_permutation_seed" else {}
+        wrong |= dict(relevance_filter=False) if control == "no_relevance_filter" else {}
         return cls(**{**sizes, **overrides, **wrong})
 
 

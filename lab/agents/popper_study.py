@@ -145,6 +145,7 @@ def synthetic_study(cfg: pp.Config, seed: int) -> dict:
     """TinyTargetVal: positives on the world, negatives (the same hypotheses) on its column-permuted copy, natural
     nulls (non-regulators), and the sloppy designer on the negatives with and without the relevance judge."""
     tables, hyps = synthetic_world(cfg, seed)
+    judge = JUDGE if cfg.relevance_filter else None
     rng = np.random.default_rng([seed, 5])
     permuted = {t: permute_columns(df, rng, shared=cfg.shared_permutation) for t, df in tables.items()}
     pos = [h for h in hyps if h.truth]
@@ -152,10 +153,10 @@ def synthetic_study(cfg: pp.Config, seed: int) -> dict:
     ex, exn = Executor(tables, cfg.n_folds), Executor(permuted, cfg.n_folds)
     tpl, sloppy = template_designer(cfg.n_folds), sloppy_designer(cfg.n_folds, cfg.sloppy_rate, seed)
     out, trajs = {}, {}
-    out["positive"], trajs["positive"] = _run_many(pos, schema(tables), tpl, JUDGE, ex, cfg)
-    out["negative"], trajs["negative"] = _run_many(pos, schema(permuted), tpl, JUDGE, exn, cfg)
-    out["natural_null"], _ = _run_many(nat, schema(tables), tpl, JUDGE, ex, cfg)
-    out["sloppy_filtered"], trajs["sloppy"] = _run_many(pos, schema(permuted), sloppy, JUDGE, exn, cfg)
+    out["positive"], trajs["positive"] = _run_many(pos, schema(tables), tpl, judge, ex, cfg)
+    out["negative"], trajs["negative"] = _run_many(pos, schema(permuted), tpl, judge, exn, cfg)
+    out["natural_null"], _ = _run_many(nat, schema(tables), tpl, judge, ex, cfg)
+    out["sloppy_filtered"], trajs["sloppy"] = _run_many(pos, schema(permuted), sloppy, judge, exn, cfg)
     out["sloppy_unfiltered"], _ = _run_many(pos, schema(permuted), sloppy, None, exn, cfg)
     out["trajectories"] = {k: v[:20] for k, v in trajs.items()}
     out["n_positive"] = len(pos)
