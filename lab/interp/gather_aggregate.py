@@ -246,15 +246,22 @@ def answer_segments(tokenizer, examples: list[dict], *, decoy_seed: int | None =
     return ids, target[:, None] - torch.arange(3)
 
 
-def aggregate_focus(model: nn.Module, ids: torch.Tensor, segment: torch.Tensor, aggregate: tuple[int, int]
-                    ) -> dict[str, float]:
-    """The aggregate layer's rows at the answer position, averaged over prompts: the mass on `segment`
-    and the entropy of head A and of the layer's head with the most mass ("best")."""
-    layer, a = aggregate
+def _row_stats(model: nn.Module, ids: torch.Tensor, segment: torch.Tensor, layer: int) -> torch.Tensor:
+    """(H, 2): per head of `layer`, the answer-position row's mass on `segment` and its entropy, over prompts."""
     A = attention(model, ids.to(next(model.parameters()).device), layer).cpu()  # (n, H, T, T)
-    stats = torch.tensor([[sharpness(A[i, h, -1], segment[i]) for i in range(len(ids))]
-                          for h in range(A.shape[1])]).mean(1)  # (H, 2): mass on the segment, entropy
-    best = int(stats[:, 0].argmax())
+    return torch.tensor([[sharpness(A[i, h, -1], segment[i]) for i in range(len(ids))]
+                         for h in range(A.shape[1])]).mean(1)
+
+
+def aggregate_focus(model: nn.Module, ids: torch.Tensor, segment: torch.Tensor, aggregate: tuple[int, int], *,
+                    pick: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
+    """The aggregate layer's rows at the answer position, averaged over prompts: the mass on `segment`
+    and the entropy of head A and of the layer's head with the most mass ("best"). With `pick` = (ids, segment)
+    of other prompts, "best" is chosen there and scored here (an argmax over heads scored on the prompts that
+    chose it would be biased upward)."""
+    layer, a = aggregate
+    stats = _row_stats(model, ids, segment, layer)
+    best = int((stats if pick is None else _row_stats(model, *pick, layer))[:, 0].argmax())
     return {"A mass": stats[a, 0].item(), "A entropy": stats[a, 1].item(),
             "best head": best, "best mass": stats[best, 0].item(), "best entropy": stats[best, 1].item()}
 

@@ -189,6 +189,12 @@ def test_aggregate_focus_against_a_naive_loop():
     want = {"A mass": mass[2], "A entropy": ent[2], "best mass": mass[best], "best entropy": ent[best]}
     for key, value in want.items():
         assert got[key] == pytest.approx(float(value), abs=1e-5)
+    # with `pick`, the best head is the one with most mass on the other prompts, scored on these
+    other = torch.randint(0, V, (3, 9), generator=torch.Generator().manual_seed(5))
+    there, seg2 = next((h, s2) for s2 in (torch.tensor([[k, k + 1, k + 2]] * 3) for k in range(7))
+                       if (h := ga.aggregate_focus(m, other, s2, (1, 2))["best head"]) != best)
+    picked = ga.aggregate_focus(m, ids, seg, (1, 2), pick=(other, seg2))  # a head that is not the best here
+    assert picked["best head"] == there and picked["best mass"] == pytest.approx(float(mass[there]), abs=1e-5)
 
 
 def test_retrieval_vs_options_against_heads_zeroed_by_hand():
