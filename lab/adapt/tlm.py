@@ -110,7 +110,9 @@ def pool_scores(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
 
 CONTROLS = {"no_sel": "TLM and online TLM adapt on every input with weight 1 (TLM without the SEL score)",
             "no_adapt": "TLM and online TLM run at learning rate 0, i.e. they are the base model",
-            "entropy_as_ppl": "Tent and EATA minimise the input perplexity (TLM w/o SEL's loss) in their own loops"}
+            "entropy_as_ppl": "Tent and EATA minimise the input perplexity (TLM w/o SEL's loss) in their own loops",
+            "source_inputs": "TLM and online TLM adapt on unlabeled source-domain inputs (as many, log P0 set on them "
+                             "the same way) instead of the target stream; every score is still on the target"}
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,15 @@ class Toy:
     threshold: float
     generator: torch.Generator
     device: str
+    source_inputs: list[Tensor] = field(default_factory=list)  # the `source_inputs` control's stream ...
+    source_threshold: float = 0.0  # ... and its log P0
+
+    def adaptation_stream(self) -> tuple[list[Tensor], float]:
+        """What TLM and online TLM learn from, and its log P0: the target inputs, or under `source_inputs` the
+        source ones (the other arms never see that control)."""
+        if self.cfg.control == "source_inputs":
+            return self.source_inputs, self.source_threshold
+        return self.inputs, self.threshold
 
     @property
     def base(self):
@@ -233,7 +244,11 @@ def build(cfg: Config, seed: int, device: str = "cpu") -> Toy:
     with torch.no_grad():
         ce0 = sample_ce(run.model, torch.cat(inputs))
     threshold = torch.quantile(ce0, 1 - cfg.select_frac).item()  # log P0
-    return Toy(cfg, run, inputs, stream, held, retain, list(fisher), ce0, threshold, g, device)
+    src = dom.sample(cfg.n_stream, "source", torch.Generator().manual_seed(cfg.data_seed + 50_000 + seed))["input"]
+    with torch.no_grad():
+        src_th = torch.quantile(sample_ce(run.model, src.to(device)), 1 - cfg.select_frac).item()
+    return Toy(cfg, run, inputs, stream, held, retain, list(fisher), ce0, threshold, g, device,
+               [src[i:i + 1].to(device) for i in range(len(src))], src_th)
 
 
 def base_ce(model) -> Callable[[Tensor], Tensor]:
@@ -248,8 +263,8 @@ def base_ce(model) -> Callable[[Tensor], Tensor]:
 
 def arms(toy: Toy) -> dict[str, tuple[Callable[[object], Objective], bool, float]]:
     """The offline arms: name -> (objective of the adapted copy m, LoRA (else every weight), lr). Controls
-    substitute in TLM (`no_sel`, `no_adapt`) or in Tent and EATA (`entropy_as_ppl`) only."""
-    cfg, th, base, k = toy.cfg, toy.threshold, toy.base, toy.cfg.domains.answer
+    substitute in TLM (`no_sel`, `no_adapt`, `source_inputs`) or in Tent and EATA (`entropy_as_ppl`) only."""
+    cfg, th, base, k = toy.cfg, toy.adaptation_stream()[1], toy.base, toy.cfg.domains.answer
     e0 = cfg.eata_frac * math.log(len(cfg.domains.tokenizer))
     ppl = cfg.control == "entropy_as_ppl"
     eata = lambda m: eata_objective(e0, k, d_margin=cfg.eata_margin, alpha=cfg.eata_alpha,
@@ -268,16 +283,16 @@ def run_online(toy: Toy, *, sel: bool, lr: float | None = None) -> dict:
     """Online TLM (`adapt_online`, chunks of `cfg.chunk`, the current model's CE selecting) on a LoRA copy, scored
     as the paper scores it: on the stream's own answers, each chunk answered before the model trains on it
     (`"stream"`, pooled over the chunks); `"target"` and `"retention"` are the final model's."""
-    cfg, m = toy.cfg, toy.lora_copy()
-    answers = iter(toy.stream["answer"].split(cfg.chunk))
-    predict = lambda part: [(len(part), toy.answers(m, {"input": torch.cat(part), "answer": next(answers)}))]
-    parts, log = adapt_online(m, toy.inputs, tlm_objective(threshold=toy.threshold, lamb=cfg.lamb, sel=sel),
+    cfg, m, (inputs, th) = toy.cfg, toy.lora_copy(), toy.adaptation_stream()
+    chunks = zip(torch.cat(toy.inputs).split(cfg.chunk), toy.stream["answer"].split(cfg.chunk))  # what is answered
+    predict = lambda part: [(len(x), toy.answers(m, {"input": x, "answer": y})) for x, y in [next(chunks)]]
+    parts, log = adapt_online(m, inputs, tlm_objective(threshold=th, lamb=cfg.lamb, sel=sel),
                               chunk=cfg.chunk, lr=cfg.lr if lr is None else lr, predict=predict)
     return {**toy.score(m, log), "stream": pool_scores(parts)}
 
 
-ARM_CONTROLS = {"TLM": ("no_sel", "no_adapt"), "online TLM": ("no_sel", "no_adapt"), "Tent": ("entropy_as_ppl",),
-                "EATA": ("entropy_as_ppl",)}  # the arms each control substitutes in (`arms`, `run_online`)
+ARM_CONTROLS = {"TLM": ("no_sel", "no_adapt", "source_inputs"), "online TLM": ("no_sel", "no_adapt", "source_inputs"),
+                "Tent": ("entropy_as_ppl",), "EATA": ("entropy_as_ppl",)}  # where each control substitutes
 
 
 def run_arms(toy: Toy) -> tuple[dict[str, dict], list[dict]]:
@@ -304,5 +319,6 @@ def run_arm(toy: Toy, name: str) -> tuple[dict, list[dict]]:
     objective, lora, lr = arms(toy)[name]
     m = toy.lora_copy() if lora else copy.deepcopy(toy.base)
     probe = (lambda: perplexities(m, toy.held, device=toy.device)) if name == "TLM" else None
-    log = adapt(m, toy.inputs, objective(m), lr=lr, probe=probe, every=cfg.probe_every if probe else 0)
+    inputs = toy.adaptation_stream()[0] if name == "TLM" else toy.inputs
+    log = adapt(m, inputs, objective(m), lr=lr, probe=probe, every=cfg.probe_every if probe else 0)
     return toy.score(m, log, entropy=name in ("Tent", "EATA")), log.checkpoints if name == "TLM" else []

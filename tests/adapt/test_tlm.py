@@ -210,3 +210,39 @@ def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_where_they
     assert every["TLM"]["backward"] == every["online TLM"]["backward"] == cfg.n_stream
     ppl, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="entropy_as_ppl")))
     assert ppl["Tent"]["backward"] == ppl["EATA"]["backward"] == cfg.n_stream
+
+
+def test_source_inputs_control_adapts_tlm_on_source_inputs_and_still_answers_the_target_stream():
+    """`source_inputs`: TLM and online TLM learn from as many source-domain inputs (log P0 at the same quantile of
+    the base CE on them), the other arms are untouched, and online TLM still answers the target stream's chunks
+    (a naive loop: answer target chunk k, then adapt on source chunk k)."""
+    from lab.data.domains import answer_scores
+
+    cfg = small(control="source_inputs")
+    toy = T.build(cfg, seed=0)
+    assert len(toy.source_inputs) == cfg.n_stream and cfg.domains.leaks(toy.source_inputs) == 0
+    src = torch.cat(toy.source_inputs)
+    assert not torch.equal(src, torch.cat(toy.inputs))
+    with torch.no_grad():
+        ce = T.sample_ce(toy.base, src)
+    assert int((ce > toy.source_threshold).sum()) == 18 and toy.adaptation_stream()[0] is toy.source_inputs
+    assert replace(toy, cfg=replace(cfg, control="")).adaptation_stream() == (toy.inputs, toy.threshold)
+    torch.manual_seed(3)
+    got = T.run_online(toy, sel=False, lr=3e-2)
+    torch.manual_seed(3)
+    m = toy.lora_copy()
+    nll, n = 0.0, 0
+    for start in range(0, cfg.n_stream, cfg.chunk):
+        x, y = toy.stream["input"][start:start + cfg.chunk], toy.stream["answer"][start:start + cfg.chunk]
+        s = answer_scores(m, {"input": x, "answer": y}, generator=torch.Generator(), device="cpu")
+        nll, n = nll + math.log(s["out_ppl"]) * len(x), n + len(x)
+        L.adapt(m, toy.source_inputs[start:start + cfg.chunk], T.tlm_objective(sel=False), lr=3e-2,
+                schedule="constant")
+    assert got["stream"]["out_ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    torch.manual_seed(7)
+    results, _ = T.run_arms(toy)
+    torch.manual_seed(7)
+    m = T.add_lora(copy.deepcopy(toy.base), targets=cfg.lora_targets)
+    log = L.adapt(m, toy.source_inputs, T.tlm_objective(threshold=toy.source_threshold, base_ce=T.base_ce(m)),
+                  lr=cfg.lr)
+    assert toy.score(m, log) == results["TLM"]
