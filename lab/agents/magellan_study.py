@@ -180,9 +180,10 @@ def study(space: GoalSpace, name: str, cfg: Config, seed: int = 0, features: Ten
     return out
 
 
-def mae_never_sampled(res: dict) -> float:
-    """Mean |estimate − true competence| over the goals the run never sampled (NaN estimates count as missing)."""
-    never = res["times_sampled"] == 0
+def mae_never_sampled(res: dict, among: np.ndarray | None = None) -> float:
+    """Mean |estimate − true competence| over the goals the run never sampled (NaN estimates count as missing),
+    only those where `among` (a (G,) bool mask, e.g. the feasible goals) is true if given."""
+    never = (res["times_sampled"] == 0) & (True if among is None else among)
     return float(np.nanmean(np.abs(res["estimate"][never] - res["true"][never])))
 
 

@@ -312,3 +312,10 @@ def test_attempts_succeed_at_the_competence_rate():
     r = st.attempt(sp, np.full(20_000, h), np.random.default_rng(0))
     p = 0.9 * 0.8 * (0.25 * 0.7 + 0.75 * 0.2)
     assert st.competence(sp)[h] == pytest.approx(p) and abs(r.mean() - p) < 4 * np.sqrt(p * (1 - p) / 20_000)
+
+
+def test_mae_never_sampled_by_hand_and_restricted_to_a_mask():
+    res = {"times_sampled": np.array([0, 3, 0, 0, 1]), "estimate": np.array([0.5, 0.9, np.nan, 0.1, 0.0]),
+           "true": np.array([0.25, 0.0, 1.0, 0.0, 1.0])}
+    assert ms.mae_never_sampled(res) == pytest.approx((0.25 + 0.1) / 2)  # goal 2 has no estimate
+    assert ms.mae_never_sampled(res, np.array([True, True, True, False, True])) == pytest.approx(0.25)
