@@ -221,6 +221,7 @@ def quant_fn(model: nn.Module, matrix: str | tuple[str, ...], nbits: int, group_
             held[l, e] = W
         return expert_out(x, *held[l, e])
 
+    fn.release = held.clear  # for a caller that keeps several of these alive (`floe_bench.variant_quality`)
     return fn
 
 

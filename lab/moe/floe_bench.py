@@ -142,6 +142,7 @@ def variant_quality(model: nn.Module, batch: dict[str, Tensor], xs: list[Tensor]
     for name, fn in variants.items():
         out[name] = {"loss_pct": 100 * (blocks.eval_loss(model, batch, fn, layers=layers) / base - 1),
                      "err": blocks.layer_errors(model, xs, fn)[1:].mean().item()}
+        getattr(fn, "release", lambda: None)()  # a quantized baseline's layer of dequantized experts: one at a time
     return out
 
 
