@@ -5,8 +5,11 @@ control (seed 0 by default), each in its own `python -m lab run` subprocess, and
 
     {"notebook", "date", "commit", "params" (overrides), "seeds",
      "claims": {name: {"op", "threshold"}},                      # as the notebook states them now
-     "runs": [{"seed", "status", "seconds", "values": {name: value}, "passed": {name: bool}}],
-     "controls": {name: {"seed", "status", "must_break", "broken", "survived", "values"}}}
+     "runs": [{"seed", "status", "seconds", "values": {name: value}, "passed": {name: bool}, "metrics": {...}}],
+     "controls": {name: {"seed", "status", "must_break", "broken", "survived", "values", "metrics"}}}
+
+`metrics` keeps every `record(...)` of the run (floats to 6 significant digits), so a number the notebook's text
+states about its measurements can be checked against the sweep (`lab.core.statements`), not only its claims.
 
 The notebook's Results section shows `seed_table(stem)`, never a table typed by hand; `problems`
 is what the hygiene test asserts on (a missing or stale file, a threshold not met on a recorded seed).
@@ -47,12 +50,29 @@ def path_of(stem: str, folder: Path | None = None) -> Path:
     return (Path(folder) / "results" if folder else RESULTS) / f"{stem}.json"
 
 
-def _commit() -> str:
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+def _git(*a: str) -> str:
+    return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
 
-    sha = git("rev-parse", "--short", "HEAD") or "unknown"
-    return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+def _commit() -> str:
+    sha = _git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    return sha + ("-dirty" if _dirty() else "")
+
+
+def _dirty() -> list[str]:
+    """Tracked files that differ from the commit the sweep names (what "-dirty" hides)."""
+    return sorted(line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines())
+
+
+def _rounded(value, digits: int = 6):
+    """Recorded metrics as stored in a results file: floats to `digits` significant digits, structure kept."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v, digits) for v in value]
+    return value
 
 
 def sweep(nb: Path, jobs: list[tuple[int, str]], overrides: dict, *, n_jobs: int = 2,
@@ -99,22 +119,25 @@ def write(target: Path, stem: str, runs: list[dict], overrides: dict, controls: 
         for c in r["claims"]:
             claims.setdefault(c["name"], {"op": c["op"], "threshold": c["threshold"]})
     data = {"notebook": stem, "date": datetime.now().astimezone().isoformat(timespec="seconds"),
-            "commit": _commit(), "params": overrides, "seeds": sorted(r["params"]["seed"] for r in method),
+            "commit": _commit(), **({"dirty": d} if (d := _dirty()) else {}), "params": overrides,
+            "seeds": sorted(r["params"]["seed"] for r in method),
             "claims": claims, "runs": [], "controls": {}}
     for r in sorted(method, key=lambda r: r["params"]["seed"]):
         data["runs"].append({"seed": r["params"]["seed"], "status": r["status"], "seconds": r["seconds"],
                              "values": {c["name"]: c["value"] for c in r["claims"]},
                              "passed": {c["name"]: c["passed"] for c in r["claims"]},
+                             "metrics": _rounded(r.get("metrics", {})),
                              **({"error": r["error"]} if r.get("error") else {})})
     for r in sorted((r for r in runs if r["params"].get("control")), key=lambda r: r["params"]["seed"]):
         name = r["params"]["control"]
         c = r.get("control") or {"must_break": controls.get(name, []), "broken": [],
                                  "survived": controls.get(name, [])}
         one = {"seed": r["params"]["seed"], "status": r["status"], "must_break": c["must_break"],
-               "broken": c["broken"], "survived": c["survived"], "values": {x["name"]: x["value"] for x in r["claims"]}}
+               "broken": c["broken"], "survived": c["survived"], "values": {x["name"]: x["value"] for x in r["claims"]},
+               "metrics": _rounded(r.get("metrics", {}))}
         rec = data["controls"].setdefault(name, one)
         if rec is not one:  # several control seeds: a claim is broken only if it is broken on every seed
-            keep = ("status", "survived", "values")
+            keep = ("status", "survived", "values", "metrics")
             by_seed = rec.setdefault("by_seed", {str(rec["seed"]): {k: rec[k] for k in keep}})
             by_seed[str(one["seed"])] = {k: one[k] for k in keep}
             held = {x for v in by_seed.values() for x in v["survived"]}
