@@ -1,4 +1,4 @@
-"""`python -m lab run|list|params|report|sweep|audit|bench` — the runner users, tests and CI share.
+"""`python -m lab run|list|params|report|sweep|audit|statements|bench` — the runner users, tests and CI share.
 
     python -m lab run 00_tour                    # one notebook (stem, or slug: `tour`)
     python -m lab run all -p seed 3 --out /tmp/r  # every notebook, a parameter override, another folder
@@ -7,6 +7,7 @@
     python -m lab report                         # re-render HTML + index from executed notebooks
     python -m lab sweep hps --seeds 0-9          # seeds and declared controls -> notebooks/results/11_hps.json
     python -m lab audit all                      # claims on seeds 10-14, controls on seeds 1-2 -> reports/audit
+    python -m lab statements all                 # numbers the notebooks' text states, against their sweeps
     python -m lab bench NAME [options]           # a paper's benchmark (registered in lab.core.bench)
 
 `run` validates every parameter before any kernel starts (the contract's and the paper's knobs, against their types
@@ -140,6 +141,27 @@ def cmd_audit(args) -> int:
     return 0 if all(results.holds(d) for d in datas) else 1
 
 
+def cmd_statements(args) -> int:
+    """`statements NAMES`: every number a notebook's text states with a `<!-- seeds: ... -->` note, beside what its
+    results file recorded (`lab.core.statements`); exit 1 when one is wrong or cannot be checked."""
+    from lab.core import statements
+
+    bad = 0
+    for path in resolve(args.names, args.notebooks):
+        try:
+            found = statements.check(path.stem, path, args.results)
+        except statements.StatementError as e:
+            found, bad = [], bad + 1
+            print(f"{path.stem}: {e}")
+        print(f"{path.stem}: {len(found)} stated number(s)")
+        for f in found:
+            bad += bool(f["problem"])
+            mark = "ok   " if not f["problem"] else "WRONG"
+            print(f"  {mark} {f['statement']}  recorded {f['recorded'] or '-'}"
+                  + (f"\n        {f['problem']}" if f["problem"] else ""))
+    return 1 if bad else 0
+
+
 def cmd_list(args) -> int:
     import nbformat
 
@@ -237,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     aud.add_argument("--cell-timeout", type=int, default=None, help="seconds per cell, passed to each run")
     aud.add_argument("--out", default="reports/audit", help="folder (default reports/audit)")
     aud.add_argument("--keep-runs", action="store_true", help="keep each run's notebook and record (path printed)")
+    stm = sub.add_parser("statements", help="numbers the notebooks' text states, checked against their sweeps")
+    stm.add_argument("names", nargs="+", help="notebook stems or slugs, or 'all'")
+    stm.add_argument("--results", type=Path, default=None,
+                     help="a folder whose results/<stem>.json to check against (default the committed ones)")
     lst = sub.add_parser("list", help="notebooks, papers and last status")
     lst.add_argument("--out", default="reports")
     prm = sub.add_parser("params", help="a notebook's parameters: defaults, limits, meaning; its controls")
@@ -256,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args.options = rest
     try:
         return {"run": cmd_run, "list": cmd_list, "params": cmd_params, "report": cmd_report, "bench": cmd_bench,
-                "sweep": cmd_sweep, "audit": cmd_audit}[args.cmd](args)
+                "sweep": cmd_sweep, "audit": cmd_audit, "statements": cmd_statements}[args.cmd](args)
     except (UsageError, ParamError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -115,6 +115,7 @@ def test_sweep_writes_a_results_file_and_its_table(nbdir, tmp_path):
     data = json.loads(target.read_text())
     assert data["seeds"] == [0, 1] and [r["values"]["holds"] for r in data["runs"]] == [0.9, 1.9]
     assert data["claims"]["holds"] == {"op": ">=", "threshold": 0.5}
+    assert data["runs"][1]["metrics"] == data["controls"]["flip"]["metrics"] == {"m": {"a": 1}}
     assert data["controls"]["flip"]["broken"] == ["holds"] and data["controls"]["weak"]["survived"] == ["also"]
     table = seed_table("01_good", tmp_path)
     assert table.loc["holds", "min"] == "0.9" and table.loc["holds", "seeds"] == "2/2"

@@ -1,0 +1,175 @@
+"""Numbers a notebook's text states about its own measurements, checked against its recorded sweep.
+
+A markdown cell states a range and says, in an HTML comment right after it (invisible once rendered), what it is:
+
+    HQQ INT3 comes to 0.57–0.75× <!-- seeds: {quant|INT3|err} / {floe_quality|FloE|err} --> FloE's error
+
+`seeds:` means every method seed of `notebooks/results/<stem>.json`; `seeds 0-2:` some of them; `control NAME:` the
+seeds that control was recorded on. `{a|b|c}` is a path into one run's claim values (`{claim name}`) or its recorded
+metrics (`lab.core.record`); around the paths, arithmetic (+ − * / **, abs, min, max, numbers). The number or range
+just before the comment (a unit such as ×, % or "nats" may follow it) must be what the sweep recorded, at the
+precision it is written in: a range's ends may be rounded or rounded outwards by one unit of their last digit, never
+inwards and never looser; a single number must be every seed's value, rounded. `python -m lab statements NAME` lists
+them; `tests/test_statements.py` fails when one is wrong, names a path the sweep did not record, or states nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from lab.core import results
+from lab.core.records import fmt
+
+NUM = r"[−+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # 98,624 reads as 98624
+COMMENT = re.compile(r"<!--\s*(seeds(?:\s+[\d,\s-]+?)?|control\s+[\w-]+)\s*:\s*(.+?)\s*-->", re.S)
+STATED = re.compile(rf"(?P<lo>{NUM})(?:\s*(?:–|—|-|to)\s*(?P<hi>{NUM}))?(?P<unit>[^\d<>|]{{0,8}})$")
+PATH = re.compile(r"\{([^{}]+)\}")
+_BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.Pow: operator.pow}
+_FUN = {"abs": abs, "min": min, "max": max}
+
+
+class StatementError(ValueError):
+    """A statement that cannot be checked: no number before it, a bad expression, a path the sweep did not record."""
+
+
+@dataclass(frozen=True)
+class Statement:
+    cell: int
+    stated: str   # as written, e.g. "0.57–0.75×"
+    lo: float
+    hi: float
+    digits: tuple[int, int]  # decimals written for lo and hi
+    scope: str    # "seeds", "seeds 0-2" or "control NAME"
+    expr: str
+    single: bool  # one number (every run's value), not a range
+
+    def __str__(self) -> str:
+        return f"cell {self.cell}: {self.stated} <!-- {self.scope}: {self.expr} -->"
+
+
+def _num(text: str) -> tuple[float, int]:
+    text = text.replace("−", "-").replace(",", "")
+    return float(text), len(text.partition(".")[2])
+
+
+def find(notebook: Path) -> list[Statement]:
+    """Every annotated number in the notebook's markdown cells, in order."""
+    cells = json.loads(Path(notebook).read_text())["cells"]
+    out = []
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "markdown":
+            continue
+        src = "".join(cell["source"])
+        for m in COMMENT.finditer(src):
+            before = src[:m.start()].rstrip()
+            s = STATED.search(before)
+            if s is None:
+                raise StatementError(f"{Path(notebook).stem} cell {i}: no number right before {m.group(0)}")
+            lo, dlo = _num(s["lo"])
+            hi, dhi = _num(s["hi"]) if s["hi"] else (lo, dlo)
+            out.append(Statement(i, s.group(0).strip(), lo, hi, (dlo, dhi), " ".join(m[1].split()), m[2].strip(),
+                                 not s["hi"]))
+    return out
+
+
+def _eval(node: ast.AST, env: dict[str, float]) -> float:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body, env)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return float(node.value)
+    if isinstance(node, ast.Name) and node.id in env:
+        return env[node.id]
+    if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
+        return _BIN[type(node.op)](_eval(node.left, env), _eval(node.right, env))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _eval(node.operand, env)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUN and not node.keywords:
+        return float(_FUN[node.func.id](*(_eval(a, env) for a in node.args)))
+    raise StatementError(f"not arithmetic on recorded values: {ast.unparse(node)!r}")
+
+
+def _lookup(run: dict, path: str) -> float:
+    parts = [p.strip() for p in path.split("|")]
+    if path.strip() in run.get("values", {}):  # a claim's name, even one with "|" in it
+        value = run["values"][path.strip()]
+    else:
+        value = run.get("metrics", {})
+        for p in parts:
+            if isinstance(value, list) and p.lstrip("-").isdigit() and -len(value) <= int(p) < len(value):
+                value = value[int(p)]
+            elif isinstance(value, dict) and p in value:
+                value = value[p]
+            else:
+                raise StatementError(f"{{{path}}} is not recorded (no {p!r})")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise StatementError(f"{{{path}}} is not a number: {fmt(value)}")
+    return float(value)
+
+
+def evaluate(expr: str, run: dict) -> float:
+    """`expr` on one run's record (its `values` and `metrics`)."""
+    names: dict[str, str] = {}
+    code = PATH.sub(lambda m: names.setdefault(m[1], f"_v{len(names)}"), expr)
+    try:
+        tree = ast.parse(code.replace("−", "-").replace("×", "*"), mode="eval")
+    except SyntaxError:
+        raise StatementError(f"cannot read {expr!r} as arithmetic on {{paths}}") from None
+    return _eval(tree, {v: _lookup(run, p) for p, v in names.items()})
+
+
+def runs_of(scope: str, data: dict) -> dict[str, dict]:
+    """The run records a statement's scope names, by seed."""
+    if scope.startswith("control"):
+        name = scope.split(None, 1)[1]
+        rec = data["controls"].get(name)
+        if rec is None:
+            raise StatementError(f"control {name!r} is not recorded")
+        return rec.get("by_seed") or {str(rec["seed"]): rec}
+    runs = {str(r["seed"]): r for r in data["runs"]}
+    if scope == "seeds":
+        return runs
+    want = results.parse_seeds(scope.split(None, 1)[1])
+    missing = [s for s in want if str(s) not in runs]
+    if missing:
+        raise StatementError(f"seeds {missing} are not recorded")
+    return {str(s): runs[str(s)] for s in want}
+
+
+def judge(st: Statement, data: dict) -> tuple[float, float, str | None]:
+    """(recorded min, recorded max, why the statement is wrong or None)."""
+    vals = [evaluate(st.expr, r) for r in runs_of(st.scope, data).values()]
+    if not vals or not all(math.isfinite(v) for v in vals):
+        raise StatementError(f"{st.expr!r} recorded {vals}")
+    lo, hi = min(vals), max(vals)
+    ulo, uhi = 10.0 ** -st.digits[0], 10.0 ** -st.digits[1]
+    eps = 1e-9 * max(1.0, abs(lo), abs(hi))
+    if st.single:
+        ok = max(abs(lo - st.lo), abs(hi - st.lo)) <= ulo / 2 + eps
+    else:
+        ok = (lo - ulo - eps <= st.lo <= lo + ulo / 2 + eps) and (hi - uhi / 2 - eps <= st.hi <= hi + uhi + eps)
+    why = None if ok else f"states {st.stated}, the sweep recorded {fmt(lo)}–{fmt(hi)} over {len(vals)} run(s)"
+    return lo, hi, why
+
+
+def check(stem: str, notebook: Path, folder: Path | None = None) -> list[dict]:
+    """Each statement of the notebook with what its sweep recorded: {statement, recorded, problem}."""
+    data = results.load(stem, folder)
+    out = []
+    for st in find(notebook):
+        try:
+            if data is None:
+                raise StatementError(f"no results file for {stem}")
+            lo, hi, why = judge(st, data)
+            rec = f"{fmt(lo)}–{fmt(hi)}" if lo != hi else fmt(lo)
+        except StatementError as e:
+            rec, why = "", str(e)
+        out.append({"statement": st, "recorded": rec, "problem": why})
+    return out
