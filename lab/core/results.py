@@ -60,8 +60,10 @@ def _commit() -> str:
 
 
 def _dirty() -> list[str]:
-    """Tracked files that differ from the commit the sweep names (what "-dirty" hides)."""
-    return sorted(line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines())
+    """Tracked files that differ from the commit the sweep names (what "-dirty" hides), other than results files
+    (sweeps write them; no run reads them but to draw its table)."""
+    return sorted(f for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()
+                  if not (f := line[3:]).startswith("notebooks/results/"))
 
 
 def _rounded(value, digits: int = 6):
