@@ -97,18 +97,21 @@ def _eval(node: ast.AST, env: dict[str, float]) -> float:
 
 
 def _lookup(run: dict, path: str) -> float:
-    parts = [p.strip() for p in path.split("|")]
     if path.strip() in run.get("values", {}):  # a claim's name, even one with "|" in it
         value = run["values"][path.strip()]
     else:
-        value = run.get("metrics", {})
-        for p in parts:
+        value, parts, i = run.get("metrics", {}), path.split("|"), 0
+        while i < len(parts):
+            p = parts[i].strip()
             if isinstance(value, list) and p.lstrip("-").isdigit() and -len(value) <= int(p) < len(value):
-                value = value[int(p)]
-            elif isinstance(value, dict) and p in value:
-                value = value[p]
-            else:
+                value, i = value[int(p)], i + 1
+                continue
+            # the longest key that matches from here: a recorded key may hold "|" itself ("inputs | outputs")
+            j = next((j for j in range(len(parts), i, -1) if isinstance(value, dict)
+                      and "|".join(parts[i:j]).strip() in value), None)
+            if j is None:
                 raise StatementError(f"{{{path}}} is not recorded (no {p!r})")
+            value, i = value["|".join(parts[i:j]).strip()], j
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise StatementError(f"{{{path}}} is not a number: {fmt(value)}")
     return float(value)

@@ -89,8 +89,9 @@ def test_statements_are_read_in_order_with_their_precision(tmp_path):
 
 
 def test_evaluate_reads_claims_before_metrics():
-    run = {"values": {"loss": 1.0, "mean |r|": 3.0}, "metrics": {"loss": 5.0, "d": {"a b": [1, 2.5]}}}
-    assert evaluate("{loss} + {d|a b|1} × 2 - {mean |r|}", run) == 3.0
+    run = {"values": {"loss": 1.0, "mean |r|": 3.0},
+           "metrics": {"loss": 5.0, "d": {"a b": [1, 2.5]}, "r": {"x | y": {"z": 4.0}}}}
+    assert evaluate("{loss} + {d|a b|1} × 2 - {mean |r|} + {r|x | y|z}", run) == 7.0
 
 
 def test_the_sweep_keeps_every_metric_rounded():
