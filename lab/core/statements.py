@@ -5,12 +5,14 @@ A markdown cell states a range and says, in an HTML comment right after it (invi
     HQQ INT3 comes to 0.57–0.75× <!-- seeds: {quant|INT3|err} / {floe_quality|FloE|err} --> FloE's error
 
 `seeds:` means every method seed of `notebooks/results/<stem>.json`; `seeds 0-2:` some of them; `control NAME:` the
-seeds that control was recorded on. `{a|b|c}` is a path into one run's claim values (`{claim name}`) or its recorded
-metrics (`lab.core.record`); around the paths, arithmetic (+ − * / **, abs, min, max, numbers). The number or range
-just before the comment (a unit such as ×, % or "nats" may follow it) must be what the sweep recorded, at the
-precision it is written in: a range's ends may be rounded or rounded outwards by one unit of their last digit, never
-inwards and never looser; a single number must be every seed's value, rounded. `python -m lab statements NAME` lists
-them; `tests/test_statements.py` fails when one is wrong, names a path the sweep did not record, or states nothing.
+seeds that control was recorded on. `{a|b|c}` is a path into one run's claim values (`{claim name}`) or its
+recorded metrics (`lab.core.record`); around the paths, arithmetic (+ − * / **, abs, min, max, numbers). The number
+or range just before the comment (a unit such as ×, % or "nats" may follow it) must be what the sweep recorded, at
+the precision it is written in: a range's ends may be rounded or rounded outwards by one unit of their last digit,
+never inwards and never looser; a single number must be every run's value, rounded. `count seeds: {a} > {b}` states
+how many of the runs meet a comparison ("ahead on 9 <!-- count seeds: {a} > {b} --> of 10 seeds"), exactly.
+`python -m lab statements NAME` lists them; `tests/core/test_statements.py` fails when one is wrong, names a path
+the sweep did not record, or has no number before it.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from lab.core import results
 from lab.core.records import fmt
 
 NUM = r"[−+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # 98,624 reads as 98624
-COMMENT = re.compile(r"<!--\s*(seeds(?:\s+[\d,\s-]+?)?|control\s+[\w-]+)\s*:\s*(.+?)\s*-->", re.S)
+COMMENT = re.compile(r"<!--\s*((?:count\s+)?(?:seeds(?:\s+[\d,\s-]+?)?|control\s+[\w-]+))\s*:\s*(.+?)\s*-->", re.S)
 STATED = re.compile(rf"(?P<lo>{NUM})(?:\s*(?:–|—|-|to)\s*(?P<hi>{NUM}))?(?P<unit>[^\d<>|]{{0,8}})$")
 PATH = re.compile(r"\{([^{}]+)\}")
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.Pow: operator.pow}
 _FUN = {"abs": abs, "min": min, "max": max}
+_CMP = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge}
 
 
 class StatementError(ValueError):
@@ -46,7 +49,7 @@ class Statement:
     lo: float
     hi: float
     digits: tuple[int, int]  # decimals written for lo and hi
-    scope: str    # "seeds", "seeds 0-2" or "control NAME"
+    scope: str    # "seeds", "seeds 0-2" or "control NAME", each perhaps after "count "
     expr: str
     single: bool  # one number (every run's value), not a range
 
@@ -91,6 +94,8 @@ def _eval(node: ast.AST, env: dict[str, float]) -> float:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         v = _eval(node.operand, env)
         return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMP:  # `count` notes
+        return float(_CMP[type(node.ops[0])](_eval(node.left, env), _eval(node.comparators[0], env)))
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUN and not node.keywords:
         return float(_FUN[node.func.id](*(_eval(a, env) for a in node.args)))
     raise StatementError(f"not arithmetic on recorded values: {ast.unparse(node)!r}")
@@ -130,6 +135,7 @@ def evaluate(expr: str, run: dict) -> float:
 
 def runs_of(scope: str, data: dict) -> dict[str, dict]:
     """The run records a statement's scope names, by seed."""
+    scope = scope.removeprefix("count ")
     if scope.startswith("control"):
         name = scope.split(None, 1)[1]
         rec = data["controls"].get(name)
@@ -149,6 +155,11 @@ def runs_of(scope: str, data: dict) -> dict[str, dict]:
 def judge(st: Statement, data: dict) -> tuple[float, float, str | None]:
     """(recorded min, recorded max, why the statement is wrong or None)."""
     vals = [evaluate(st.expr, r) for r in runs_of(st.scope, data).values()]
+    if st.scope.startswith("count "):  # how many runs meet a comparison: "ahead on 9 <!-- count seeds: {a} > {b} -->"
+        if not st.single or st.digits[0] or not all(v in (0.0, 1.0) for v in vals):
+            raise StatementError(f"a count states one whole number of runs where {st.expr!r} holds")
+        n = int(sum(vals))
+        return n, n, None if n == st.lo else f"states {st.stated}, the sweep has {n} of {len(vals)} runs"
     if not vals or not all(math.isfinite(v) for v in vals):
         raise StatementError(f"{st.expr!r} recorded {vals}")
     lo, hi = min(vals), max(vals)
