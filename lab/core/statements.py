@@ -117,7 +117,7 @@ def _lookup(run: dict, path: str) -> float:
             if j is None:
                 raise StatementError(f"{{{path}}} is not recorded (no {p!r})")
             value, i = value["|".join(parts[i:j]).strip()], j
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not isinstance(value, (int, float)):  # a flag counts as 0 or 1
         raise StatementError(f"{{{path}}} is not a number: {fmt(value)}")
     return float(value)
 

@@ -27,6 +27,14 @@ def inputs(passes: dict[str, list[dict]]) -> list[str]:
     return list(next(iter(passes.values()))[0]["channels"])
 
 
+def peaks(passes: dict[str, list[dict]]) -> dict[str, list[dict[str, float]]]:
+    """Max / median of the mean |activation| per channel: {configuration: [{input: ratio} per layer]}."""
+    import numpy as np
+
+    return {k: [{i: float(np.max(c) / max(np.median(c), 1e-12)) for i, c in layer["channels"].items()} for layer in p]
+            for k, p in passes.items()}
+
+
 def channel_figure(passes: dict[str, list[dict]], layer: int = 0, inp: str = "q", *, log: bool = True,
                    title: str = "") -> go.Figure:
     """Mean |x| per channel of one layer's input `inp`, one bar series per configuration."""
@@ -73,7 +81,6 @@ def outlier_explorer(passes: dict[str, list[dict]], search: dict | None = None):
     """Live panel: layer, input, log scale. Hooks: `.figure`, `.peak` ({configuration: max/median channel}),
     `.controls`."""
     import ipywidgets as w
-    import numpy as np
 
     L = len(next(iter(passes.values())))
     layer = w.Dropdown(options=[(f"layer {l}", l) for l in range(L)], description="layer")
@@ -84,8 +91,7 @@ def outlier_explorer(passes: dict[str, list[dict]], search: dict | None = None):
     box.add_class("lab-explorer")
 
     def update(_=None):
-        box.peak = {k: float(np.max(p[layer.value]["channels"][inp.value]) /
-                             max(np.median(p[layer.value]["channels"][inp.value]), 1e-12)) for k, p in passes.items()}
+        box.peak = {k: p[layer.value][inp.value] for k, p in peaks(passes).items()}
         errs = "" if search is None else " · ".join(
             f"{k}: I {search['off'][layer.value][k]:.3g} / H {search['on'][layer.value][k]:.3g} → "
             f"{'H' if search['choice'][layer.value][k] else 'I'}" for k in ("R2", "R3", "R4"))
