@@ -32,6 +32,7 @@ NUM = r"[−+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"  # 98,624 reads as 98624
 COMMENT = re.compile(r"<!--\s*((?:count\s+)?(?:seeds(?:\s+[\d,\s-]+?)?|control\s+[\w-]+))\s*:\s*(.+?)\s*-->", re.S)
 STATED = re.compile(rf"(?P<lo>{NUM})(?:\s*(?:–|—|-|to)\s*(?P<hi>{NUM}))?(?P<unit>[^\d<>|]{{0,8}})$")
 PATH = re.compile(r"\{([^{}]+)\}")
+CODE = re.compile(r"`[^`\n]*`")
 _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.Pow: operator.pow}
 _FUN = {"abs": abs, "min": min, "max": max}
@@ -69,7 +70,7 @@ def find(notebook: Path) -> list[Statement]:
     for i, cell in enumerate(cells):
         if cell["cell_type"] != "markdown":
             continue
-        src = "".join(cell["source"])
+        src = CODE.sub(lambda c: " " * len(c[0]), "".join(cell["source"]))  # a note shown as `code` is an example
         for m in COMMENT.finditer(src):
             before = src[:m.start()].rstrip()
             s = STATED.search(before)
@@ -77,8 +78,8 @@ def find(notebook: Path) -> list[Statement]:
                 raise StatementError(f"{Path(notebook).stem} cell {i}: no number right before {m.group(0)}")
             lo, dlo = _num(s["lo"])
             hi, dhi = _num(s["hi"]) if s["hi"] else (lo, dlo)
-            out.append(Statement(i, s.group(0).strip(), lo, hi, (dlo, dhi), " ".join(m[1].split()), m[2].strip(),
-                                 not s["hi"]))
+            scope, expr = (" ".join(g.split()) for g in m.groups())
+            out.append(Statement(i, s.group(0).strip(), lo, hi, (dlo, dhi), scope, expr, not s["hi"]))
     return out
 
 
