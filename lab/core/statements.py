@@ -55,7 +55,7 @@ class Statement:
     single: bool  # one number (every run's value), not a range
 
     def __str__(self) -> str:
-        return f"cell {self.cell}: {self.stated} <!-- {self.scope}: {self.expr} -->"
+        return f"cell {self.cell}: {' '.join(self.stated.split())} <!-- {self.scope}: {self.expr} -->"
 
 
 def _num(text: str) -> tuple[float, int]:
