@@ -105,7 +105,24 @@ def cmd_sweep(args) -> int:
     with zygote.warm():  # its `lab run` processes inherit it
         data = _sweep(path, seeds, control_seeds, controls, overrides, target, args)
     print(results.summary(data))
+    _stated(path, data)
     return 0 if results.holds(data) else 1
+
+
+def _stated(path: Path, data: dict) -> None:
+    """After a sweep: the numbers the notebook's text states that this sweep no longer supports."""
+    from lab.core import statements
+
+    try:
+        found = statements.check(path.stem, path, data=data)
+    except statements.StatementError as e:
+        print(f"  stated numbers: {e}")
+        return
+    bad = [f for f in found if f["problem"]]
+    print(f"  stated numbers: {len(found) - len(bad)}/{len(found)} match this sweep" + (
+        "; update the text (`python -m lab statements " + path.stem + "`):" if bad else ""))
+    for f in bad:
+        print(f"    {f['statement']}: {f['problem']}")
 
 
 def _sweep(path: Path, seeds: list[int], control_seeds: list[int], controls: dict, overrides: dict, target: Path,

@@ -18,11 +18,11 @@ SETUP = ('import lab.core\nP = lab.core.setup(scale, device, seed, model, contro
          'controls={"flip": ["holds"], "weak": ["holds", "also"]})')
 
 
-def write_nb(folder, stem, body, title="Synthetic"):
+def write_nb(folder, stem, body, title="Synthetic", text="Results."):
     v4 = nbformat.v4
     nb = v4.new_notebook(cells=[v4.new_markdown_cell(f"# {title}"),
                                 v4.new_code_cell(PARAMS, metadata={"tags": ["parameters"]}),
-                                v4.new_code_cell(SETUP), v4.new_code_cell(body),
+                                v4.new_code_cell(SETUP), v4.new_code_cell(body), v4.new_markdown_cell(text),
                                 v4.new_code_cell("lab.core.verdict()")])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, folder / f"{stem}.ipynb")
@@ -37,11 +37,13 @@ GOOD = ('from lab.core import check, record\nrecord("m", {"a": 1})\n'
         'check("holds", 0.9 + seed - 2 * (P.control != ""), ">=", 0.5)\n'
         'check("also", 1.0, ">=", 0.5)\nlab.core.sanity("s", 0.0, "<", 1.0)')
 
+GOOD_TEXT = "holds: 0.9–1.9 <!-- seeds: {holds} -->; m: 2 <!-- seeds: {m|a} -->"  # stated numbers, one wrong
+
 
 @pytest.fixture(scope="module")
 def nbdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("nbs")
-    write_nb(d, "01_good", GOOD)
+    write_nb(d, "01_good", GOOD, text=GOOD_TEXT)
     write_nb(d, "02_claim", 'from lab.core import check\ncheck("breaks", 0.1, ">=", 0.5)\n'
                             'check("breaks too", 0.2, ">=", 0.5)\nprint("reached: claims do not raise")')
     write_nb(d, "03_crash", 'raise RuntimeError("boom")')
@@ -88,7 +90,7 @@ def test_a_failed_rerun_replaces_a_stale_success(nbdir, tmp_path):
         assert lab("run", "01_good", "--out", str(tmp_path), nbdir=nbdir).returncode == 1
         assert json.loads((tmp_path / "01_good.json").read_text())["status"] == "error"
     finally:
-        write_nb(nbdir, "01_good", GOOD)
+        write_nb(nbdir, "01_good", GOOD, text=GOOD_TEXT)
     listing = lab("list", "--out", str(tmp_path), nbdir=nbdir).stdout
     assert "01_good" in listing and "error" in listing and "never run" in listing
     rep = lab("report", "--out", str(tmp_path), nbdir=nbdir)
@@ -116,6 +118,8 @@ def test_sweep_writes_a_results_file_and_its_table(nbdir, tmp_path):
     assert data["seeds"] == [0, 1] and [r["values"]["holds"] for r in data["runs"]] == [0.9, 1.9]
     assert data["claims"]["holds"] == {"op": ">=", "threshold": 0.5}
     assert data["runs"][1]["metrics"] == data["controls"]["flip"]["metrics"] == {"m": {"a": 1}}
+    assert "stated numbers: 1/2 match this sweep" in proc.stdout  # m|a is 1, not 2
+    assert "states 2, the sweep recorded 1" in proc.stdout
     assert data["controls"]["flip"]["broken"] == ["holds"] and data["controls"]["weak"]["survived"] == ["also"]
     table = seed_table("01_good", tmp_path)
     assert table.loc["holds", "min"] == "0.9" and table.loc["holds", "seeds"] == "2/2"

@@ -174,9 +174,10 @@ def judge(st: Statement, data: dict) -> tuple[float, float, str | None]:
     return lo, hi, why
 
 
-def check(stem: str, notebook: Path, folder: Path | None = None) -> list[dict]:
-    """Each statement of the notebook with what its sweep recorded: {statement, recorded, problem}."""
-    data = results.load(stem, folder)
+def check(stem: str, notebook: Path, folder: Path | None = None, data: dict | None = None) -> list[dict]:
+    """Each statement of the notebook with what its sweep recorded (`folder`'s results file, or `data`):
+    {statement, recorded, problem}."""
+    data = data if data is not None else results.load(stem, folder)
     out = []
     for st in find(notebook):
         try:
