@@ -1,6 +1,7 @@
 """What the Gather & Aggregate protocol studies (`lab.interp.gather_aggregate`; Bick, Xing & Gu, ICML 2025, §3):
-the two toys (a Llama-style Transformer and a Mamba-2) trained, or loaded from the cache, on the mini-MMLU letter
-task, or a checkpoint on English category MCQs, each with its held-out letter, cloze and verification prompts.
+the two toys (a Llama-style Transformer and a Mamba-2, plus a Mamba-2/attention hybrid for step 5) trained, or
+loaded from the cache, on the mini-MMLU letter task, or a checkpoint on English category MCQs, each with its
+held-out letter, cloze and verification prompts.
 
 `train_toys` gives the toys their (gather, aggregate) layer pair (0, 1) and lets the head sweep find G and A;
 `load_checkpoint` leaves the pair to `locate` and gives the paper's G and A where it reports them (`paper_heads`).
@@ -18,7 +19,7 @@ from lab.data.letters import LetterRetrieval
 from lab.data.mcq import CategoryMCQ
 from lab.interp.ablation import Evaluate
 from lab.interp.gather_aggregate import Config, paper_heads
-from lab.models import TrainConfig, fit, load_model, tiny_llama, tiny_mamba2
+from lab.models import TrainConfig, fit, load_model, tiny_hybrid, tiny_llama, tiny_mamba2
 from lab.models.score import choice_accuracy
 
 
@@ -37,6 +38,7 @@ class Study:
     heads: dict[str, tuple[tuple[int, int], tuple[int, int]] | None]  # None: the sweep finds G and A
     info: dict[str, dict]  # per model: what was built or loaded
     verify_ex: list[dict] = field(default_factory=list)  # letter prompts that did not choose G and A
+    hybrid: nn.Module | None = None  # the toy hybrid of step 5 (a checkpoint is studied as it is)
 
     def letter(self, model: nn.Module) -> Evaluate:  # retrieval
         return partial(choice_accuracy, model, self.tokenizer, self.letter_ex, self.task.letters)
@@ -49,7 +51,7 @@ class Study:
 
 
 def train_toys(cfg: Config, seed: int, *, device: str = "cpu") -> Study:
-    """The Transformer and the Mamba-2 trained (or loaded from the cache) on the same letter batches."""
+    """The Transformer, the Mamba-2 and the hybrid trained (or loaded from the cache) on the same letter batches."""
     g = torch.Generator().manual_seed(10_000 + seed)
     task = LetterRetrieval(max_filler=0, n_questions=cfg.n_questions, n_labels=cfg.n_labels,
                            n_options=cfg.n_options, min_options=cfg.min_options)
@@ -57,7 +59,9 @@ def train_toys(cfg: Config, seed: int, *, device: str = "cpu") -> Study:
     builds = {"transformer": (partial(tiny_llama, vocab_size=V, d_model=cfg.d_model, n_layers=cfg.n_layers,
                                       n_heads=cfg.n_heads), cfg.transformer_steps),
               "mamba2": (partial(tiny_mamba2, vocab_size=V, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                                 head_dim=cfg.head_dim), cfg.mamba2_steps)}
+                                 head_dim=cfg.head_dim), cfg.mamba2_steps),
+              "hybrid": (partial(tiny_hybrid, vocab_size=V, d_model=cfg.d_model, layout=cfg.hybrid_layout,
+                                 n_heads=cfg.n_heads, head_dim=cfg.head_dim), cfg.hybrid_steps)}
     models, info = {}, {}
     for name, (build, steps) in builds.items():
         res = fit(build, task, TrainConfig(steps=steps, batch_size=cfg.batch_size, lr=cfg.lr, seed=seed), device=device)
@@ -69,8 +73,9 @@ def train_toys(cfg: Config, seed: int, *, device: str = "cpu") -> Study:
     cloze_ex = task.examples(cfg.n_cloze, g, "cloze")
     verify_ex = task.examples(cfg.n_verify, torch.Generator().manual_seed(30_000 + seed), "letter",
                               n_options=cfg.eval_options)
+    hybrid = models.pop("hybrid")
     return Study(models, task.tokenizer, task, letter_ex, cloze_ex, {name: (0, 1) for name in models},
-                 {name: None for name in models}, info, verify_ex)
+                 {name: None for name in models}, info, verify_ex, hybrid)
 
 
 def load_checkpoint(cfg: Config, model: str, seed: int, *, device: str = "cpu") -> Study:

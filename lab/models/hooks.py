@@ -8,6 +8,8 @@ was on exit, also after an exception, so no ablated or patched copy leaks into t
         model(input_ids=ids)
     with hooks.ablate_heads(model, {17: [24]}):         # one attention head removed
         ...
+    with hooks.zero_rows(model, [2]):                   # block 2's mixer silent at the last position
+        ...
     with hooks.pruned(model, keep_layers=4):            # the first four blocks only
         ...
     with hooks.swap(model, {"model.layers.0.mlp.experts": new}):
@@ -45,7 +47,7 @@ def mixer(model: nn.Module, layer: int) -> nn.Module:
     """The sequence mixer of a block: self-attention, or the (Mamba-1/2) SSM mixer."""
     block = layers(model)[layer]
     for name in ("self_attn", "mixer", "mamba"):
-        if hasattr(block, name):
+        if getattr(block, name, None) is not None:  # Granite-4 hybrids keep the other kind's attribute as None
             return getattr(block, name)
     raise TypeError(f"block {layer} ({type(block).__name__}) has no self_attn/mixer/mamba module.")
 
@@ -54,6 +56,11 @@ def out_proj(model: nn.Module, layer: int) -> nn.Linear:
     """The mixer's output projection (o_proj of attention, out_proj of an SSM)."""
     m = mixer(model, layer)
     return m.o_proj if hasattr(m, "o_proj") else m.out_proj
+
+
+def is_attention(model: nn.Module, layer: int) -> bool:
+    """Whether a block's mixer is attention (it has an o_proj), not an SSM."""
+    return hasattr(mixer(model, layer), "o_proj")
 
 
 def head_shape(model: nn.Module, layer: int) -> tuple[int, int]:
@@ -143,6 +150,26 @@ def ablate_heads(model: nn.Module, heads: Heads, *, keep: bool = False) -> Itera
         with torch.no_grad():
             for layer, W0 in saved.items():
                 out_proj(model, layer).weight.copy_(W0)
+
+
+@contextmanager
+def zero_rows(model: nn.Module, layer_ids: Iterable[int], positions: Sequence[int] = (-1,)) -> Iterator[nn.Module]:
+    """Within the block, the mixers of `layer_ids` output zero at the query `positions` (the input of their output
+    projection is zeroed there, in every head). For attention this is the paper's hybrid operator: those rows of
+    every head's attention matrix set to zero after the softmax, since a row's output is A[t] V (Bick, Xing & Gu
+    zero the last row of every attention matrix of Zamba2). For an SSM it zeroes the same rows of its hidden
+    attention. The hooks are removed on exit."""
+    def zero(_m, args, kwargs):
+        x = _first_input(args, kwargs).clone()
+        x[:, list(positions)] = 0
+        return ((x, *args[1:]), kwargs) if args else (args, kwargs | {"hidden_states": x})
+
+    handles = [out_proj(model, layer).register_forward_pre_hook(zero, with_kwargs=True) for layer in layer_ids]
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def head_norms(model: nn.Module, layer: int) -> torch.Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from transformers import (
+    BambaConfig,
+    BambaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Mamba2Config,
@@ -83,6 +85,25 @@ def tiny_mamba2(*, vocab_size: int, d_model: int = 64, n_layers: int = 2, d_stat
                        expand=expand, head_dim=head_dim, num_heads=n_heads, n_groups=1, chunk_size=chunk_size,
                        tie_word_embeddings=False)
     return Mamba2ForCausalLM(cfg)
+
+
+def tiny_hybrid(*, vocab_size: int, d_model: int = 64, layout: str = "MMA", n_heads: int = 4, head_dim: int = 16,
+                d_state: int = 16, expand: int = 2, d_ff: int | None = None, chunk_size: int = 16) -> BambaForCausalLM:
+    """Mamba-2/attention hybrid, one letter of `layout` per block: M a Mamba-2 mixer (SSD heads of `head_dim`, as
+    `tiny_mamba2`), A Llama-style attention (RoPE, `n_heads`); every block has a SwiGLU MLP of width `d_ff`
+    (default 2·d_model). transformers' Bamba classes (IBM's Mamba-2 hybrid; Zamba2 and Jamba interleave the same
+    way), eager attention."""
+    if not layout or set(layout) - {"M", "A"}:
+        raise ValueError(f"layout={layout!r} must be a string of M (Mamba-2) and A (attention) blocks.")
+    n_ssm_heads, rest = divmod(expand * d_model, head_dim)
+    if rest:
+        raise ValueError(f"head_dim={head_dim} must divide expand*d_model={expand * d_model}.")
+    cfg = BambaConfig(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=len(layout),
+                      attn_layer_indices=[i for i, c in enumerate(layout) if c == "A"], num_attention_heads=n_heads,
+                      num_key_value_heads=n_heads, intermediate_size=d_ff or 2 * d_model, mamba_n_heads=n_ssm_heads,
+                      mamba_d_head=head_dim, mamba_d_state=d_state, mamba_n_groups=1, mamba_expand=expand,
+                      mamba_chunk_size=chunk_size, tie_word_embeddings=False, attn_implementation="eager")
+    return BambaForCausalLM(cfg)
 
 
 ZOO: dict[str, Callable[..., PreTrainedModel]] = {

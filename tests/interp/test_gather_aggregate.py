@@ -8,8 +8,8 @@ from lab.data.letters import DELIM, LetterRetrieval
 from lab.interp import ablation
 from lab.interp import gather_aggregate as ga
 from lab.interp import gather_aggregate_study as gs
-from lab.models import hooks, tiny_llama, tiny_mamba2
-from lab.models.score import choice_accuracy
+from lab.models import hooks, tiny_hybrid, tiny_llama, tiny_mamba2
+from lab.models.score import choice_accuracy, choice_logprobs
 from tests.interp.tiny import V, alive, models
 
 MODELS = models()
@@ -105,8 +105,10 @@ def test_untrained_toys_are_the_seeded_initialisation_and_prompts_come_from_thei
     want = {"transformer": tiny_llama(vocab_size=V, d_model=64, n_layers=2, n_heads=4)}
     torch.manual_seed(3)
     want["mamba2"] = tiny_mamba2(vocab_size=V, d_model=64, n_layers=2, head_dim=16)
+    torch.manual_seed(3)
+    want["hybrid"] = tiny_hybrid(vocab_size=V, d_model=64, layout="MMA", n_heads=4, head_dim=16)
     for name, m in want.items():
-        got = study.models[name].state_dict()
+        got = (study.hybrid if name == "hybrid" else study.models[name]).state_dict()
         assert all(torch.equal(got[k], v) for k, v in m.state_dict().items())
     g = torch.Generator().manual_seed(10_003)
     assert study.letter_ex == task.examples(6, g, "letter", n_options=4)
@@ -219,3 +221,25 @@ def test_discovery_heads_merge_a_shared_layer():
     assert d.heads == {0: [2], 1: [1]}
     d = ga.Discovery(1.0, 1.0, [1, 1], torch.zeros(2, 4), torch.zeros(2, 4), (1, 2), (1, 0), {}, 0.0, {})
     assert d.heads == {1: [2, 0]}
+
+
+def test_answer_rows_masked_against_the_rows_zeroed_by_hand():
+    task = LetterRetrieval(max_filler=0, n_questions=4, n_labels=8, n_options=4, min_options=2)
+    torch.manual_seed(0)
+    m = tiny_hybrid(vocab_size=len(task.tokenizer), d_model=32, layout="MAM", n_heads=2, head_dim=16).eval()
+    g = torch.Generator().manual_seed(0)
+    letter_ex, cloze_ex = task.examples(40, g, "letter"), task.examples(20, g, "cloze")
+    letter = lambda: choice_accuracy(m, task.tokenizer, letter_ex, task.letters)
+    logits = lambda ex: choice_logprobs(m, task.tokenizer, [e["prompt"] for e in ex], task.letters)
+    rows = ga.answer_rows_masked(m, letter, None)
+    assert list(rows) == ["intact", "every attention block", "L0 SSM", "L1 attention", "L2 SSM"]
+    assert all(math.isnan(c) for _, c in rows.values())
+    full = logits(letter_ex)
+    for name, layer in (("L0 SSM", 0), ("L1 attention", 1), ("L2 SSM", 2)):
+        with hooks.zero_rows(m, [layer]):
+            assert rows[name][0] == letter()
+            assert not torch.allclose(logits(letter_ex), full)  # the answer row mattered
+    assert rows["every attention block"] == rows["L1 attention"]
+    both = ga.answer_rows_masked(m, letter, lambda: choice_accuracy(m, task.tokenizer, cloze_ex, task.contents))
+    assert both["intact"][0] == rows["intact"][0] and 0 <= both["intact"][1] <= 1
+    torch.testing.assert_close(logits(letter_ex), full)  # nothing left behind

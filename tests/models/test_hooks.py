@@ -180,3 +180,78 @@ def test_all_heads_silences_the_layer():
     assert hooks.all_heads(m, 1) == {1: list(range(H))}
     with hooks.ablate_heads(m, hooks.all_heads(m, 1)):
         assert hooks.out_proj(m, 1).weight.abs().sum() == 0
+
+
+# ------------------------------------------------------------------------------ rows zeroed (hybrids)
+
+def _attention_last_row_zeroed(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention by hand, with the last query row of every head's matrix set to zero after the softmax."""
+    w = (query @ key.transpose(-1, -2)) * scaling  # (B, H, T, S)
+    T, S = w.shape[-2:]
+    w = w.masked_fill(torch.ones(T, S, dtype=torch.bool).triu(S - T + 1), float("-inf")).softmax(-1).clone()
+    w[:, :, -1] = 0
+    return (w @ value).transpose(1, 2).contiguous(), w
+
+
+@pytest.mark.parametrize("name", ["hybrid", "llama"])
+def test_zero_rows_equals_the_attention_rows_zeroed_after_the_softmax(name):
+    from transformers import AttentionInterface
+
+    from lab.models import tiny_hybrid
+
+    AttentionInterface.register("lab_test_last_row_zeroed", _attention_last_row_zeroed)
+    torch.manual_seed(0)
+    m = (tiny_hybrid(vocab_size=V, d_model=32, layout="MA") if name == "hybrid"
+         else tiny_llama(vocab_size=V, d_model=32, n_layers=2, n_heads=4)).eval()
+    attention = [i for i in range(len(hooks.layers(m))) if hooks.is_attention(m, i)]
+    assert attention == ([1] if name == "hybrid" else [0, 1])
+    full = logits(m)
+    with hooks.zero_rows(m, attention):
+        got = logits(m)
+    m.set_attn_implementation("lab_test_last_row_zeroed")
+    try:
+        want = logits(m)
+    finally:
+        m.set_attn_implementation("eager")
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got[:, -1], full[:, -1])
+    torch.testing.assert_close(got[:, :-1], full[:, :-1])  # causal: no earlier position sees the last row
+    torch.testing.assert_close(logits(m), full)  # the hooks are gone
+
+
+def test_zero_rows_silences_an_ssm_mixer_at_those_positions_only():
+    from lab.models import tiny_hybrid
+
+    torch.manual_seed(0)
+    m = tiny_hybrid(vocab_size=V, d_model=32, layout="MMA").eval()
+    assert [hooks.is_attention(m, i) for i in range(3)] == [False, False, True]
+    with hooks.capture([hooks.mixer(m, 1)], output=True) as full:
+        logits(m)
+    with hooks.zero_rows(m, [1], positions=[2, -1]), hooks.capture([hooks.out_proj(m, 1)], output=True) as cut:
+        logits(m)
+    y, y_cut = full[0][0], cut[0][0]
+    assert y_cut[:, [2, -1]].abs().sum() == 0 and y[:, [2, -1]].abs().sum() > 0
+    keep = [t for t in range(X.shape[1]) if t not in (2, X.shape[1] - 1)]
+    torch.testing.assert_close(y_cut[:, keep], y[:, keep])
+
+
+@pytest.mark.parametrize("family", ["jamba", "granitemoehybrid"])
+def test_hybrid_checkpoint_families_have_readable_mixers(family):
+    """A checkpoint's hybrid blocks: which are attention, and the answer row masked on each."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, mamba_d_state=8)
+    m = (tf.JambaForCausalLM(tf.JambaConfig(**common, attn_layer_period=2, attn_layer_offset=1, num_experts=1,
+                                            mamba_dt_rank=4)) if family == "jamba" else
+         tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(
+             **common, layer_types=["mamba", "attention"], num_local_experts=0, shared_intermediate_size=64,
+             mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_expand=2))).eval()
+    assert [hooks.is_attention(m, i) for i in range(2)] == [False, True]
+    full = logits(m)
+    for layer in (0, 1):
+        with hooks.zero_rows(m, [layer]):
+            cut = logits(m)
+        torch.testing.assert_close(cut[:, :-1], full[:, :-1])
+        assert not torch.allclose(cut[:, -1], full[:, -1])

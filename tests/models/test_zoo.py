@@ -95,3 +95,20 @@ def test_cached_step_decodes_as_the_full_forward_on_either_cache_api(old_api):
             steps.append(out.logits[0, -1])
     assert past is not None
     torch.testing.assert_close(torch.stack(steps), full, rtol=1e-4, atol=1e-4)
+
+
+def test_hybrid_layout_places_attention_and_mamba2_blocks():
+    from lab.models import tiny_hybrid
+
+    torch.manual_seed(0)
+    m = tiny_hybrid(vocab_size=20, d_model=32, layout="MMA", n_heads=2, head_dim=16)
+    kinds = ["A" if hasattr(b, "self_attn") else "M" for b in m.model.layers]
+    assert kinds == ["M", "M", "A"] and m.config._attn_implementation == "eager"
+    assert m.model.layers[0].mamba.num_heads == 4 and m.config.intermediate_size == 64
+    x = torch.randint(0, 20, (2, 8))
+    out = m(input_ids=x, labels=x)
+    out.loss.backward()
+    assert out.logits.shape == (2, 8, 20) and all(p.grad is not None for p in m.parameters())
+    for bad in ("", "MXA"):
+        with pytest.raises(ValueError, match="layout"):
+            tiny_hybrid(vocab_size=20, layout=bad)
