@@ -3,8 +3,9 @@ banditspec`.
 
 `EditGenerate` is the mixed prompt set: "edit" prompts ask for the source span again with a fixed substitution
 (input-grounded: prompt lookup and an edit-trained drafter win), "generate" prompts start a walk along a long
-fixed cycle of tokens that never appears in the prompt (a generate-trained drafter wins). `toy` trains (or loads
-from the cache) the target and the two drafters; `mix` decodes every prompt with each fixed arm, UCBSpec and
+fixed cycle of tokens that never appears in the prompt (a generate-trained drafter wins; a suffix tree, once it
+has seen an earlier generate answer). `toy` trains (or loads from the cache) the target and the two drafters; `mix`
+decodes every prompt with each fixed arm, UCBSpec and
 EXP3Spec, checks the greedy output against `generate`, and returns rounds (target calls) and MAT per prompt.
 `bench` adds `transformers`' assisted generation (`assistant_model=`) and prompt lookup
 (`prompt_lookup_num_tokens=`) on the same target, drafters and prompts, as ratios to plain `generate`.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from lab.core import bench as bench_registry
 from lab.core.params import Params
 from lab.models.spec import TinyLM
 from lab.reasoning.banditspec import Config
-from lab.reasoning.banditspec_decode import Arm, LMDrafter, PromptLookup, bandit_generate
+from lab.reasoning.banditspec_decode import Arm, LMDrafter, PromptLookup, SuffixTree, bandit_generate
 
 PAD, BOS, EOS, EDIT, GEN, SEP = range(6)
 TARGET = TinyLM("llama", d_model=64, n_layers=2, n_heads=4, d_ff=128, max_len=256, steps=500, batch_size=32, lr=3e-3)
@@ -116,9 +117,11 @@ def toy(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = No
 
 
 def arms_of(models: dict, L: int, vocab_size: int) -> list[Arm]:
-    """K = 3 arms at speculation length L: prompt lookup (n-gram ≤ 3), draft-E, draft-G."""
+    """K = 4 arms at speculation length L: prompt lookup (n-gram ≤ 3), draft-E, draft-G and a suffix tree (the
+    paper's Table 1 arms are PLD, Suffix Tree and EAGLE-2; the two small LMs stand in for the trained drafter).
+    Build them afresh for each policy run: the suffix tree remembers the outputs of the prompts before."""
     return [Arm("PLD", PromptLookup(3, vocab_size), L), Arm("draft-E", LMDrafter(models["draft-E"]), L),
-            Arm("draft-G", LMDrafter(models["draft-G"]), L)]
+            Arm("draft-G", LMDrafter(models["draft-G"]), L), Arm("suffix", SuffixTree(vocab_size=vocab_size), L)]
 
 
 def mix_prompts(task: EditGenerate, n: int, seed: int = 0) -> tuple[list[list[int]], list[str]]:
@@ -140,15 +143,17 @@ def plain(model, prompt: list[int], n: int, **kw) -> list[int]:
 
 
 def mix(models: dict, prompts: list[list[int]], cfg: Config, seed: int = 0,
-        policies: tuple[str, ...] = ("fixed 0", "fixed 1", "fixed 2", "UCBSpec", "EXP3Spec"),
-        cr_scale: float | None = None) -> dict:
-    """Greedy decoding of every prompt under each policy: {policy: [Trace per prompt]}, plus "identical": per
-    policy, the share of prompts whose output equals plain greedy `generate`."""
+        policies: tuple[str, ...] | None = None, cr_scale: float | None = None) -> dict:
+    """Greedy decoding of every prompt under each policy (default: every fixed arm, UCBSpec, EXP3Spec), the prompts
+    in order with fresh arms per policy: {policy: [Trace per prompt]}, plus "identical": per policy, the share of
+    prompts whose output equals plain greedy `generate`."""
     V = models["target"].config.vocab_size
-    arms = arms_of(models, cfg.L_b, V)
+    names = [a.name for a in arms_of(models, cfg.L_b, V)]
+    policies = policies or tuple(f"fixed {i}" for i in range(len(names))) + ("UCBSpec", "EXP3Spec")
     ref = [plain(models["target"], p, cfg.gen_len) for p in prompts]
-    out: dict = {"arms": [a.name for a in arms], "reference": ref}
+    out: dict = {"arms": names, "reference": ref}
     for pol in policies:
+        arms = arms_of(models, cfg.L_b, V)
         out[pol] = [bandit_generate(models["target"], arms, p, cfg.gen_len, policy=pol, seed=seed * 1000 + j,
                                     cr_scale=cfg.cr_scale_b if cr_scale is None else cr_scale, delta=cfg.delta,
                                     radius=cfg.radius, bandit=cfg.bandit) for j, p in enumerate(prompts)]
@@ -156,9 +161,10 @@ def mix(models: dict, prompts: list[list[int]], cfg: Config, seed: int = 0,
     return out
 
 
-def summary(res: dict, kinds: list[str], after: int = 20) -> dict:
+def summary(res: dict, kinds: list[str], after: int = 20, near: float = 1.25) -> dict:
     """Total rounds per policy, the per-prompt oracle (best fixed arm per prompt), the best fixed arm, MAT, and
-    the share of bandit pulls after round `after` on an arm built for the prompt's domain."""
+    the share of bandit pulls after round `after` on a near-best arm for the prompt: one whose fixed-arm run of that
+    prompt took ≤ `near` × the best fixed arm's rounds (`kinds` names each prompt's domain for the record)."""
     fixed = [k for k in res if k.startswith("fixed")]
     rounds = {k: np.array([t.rounds for t in v]) for k, v in res.items()
               if isinstance(v, list) and k not in ("reference", "arms")}
@@ -167,11 +173,15 @@ def summary(res: dict, kinds: list[str], after: int = 20) -> dict:
     if fixed:
         out["oracle"] = int(np.min([rounds[k] for k in fixed], axis=0).sum())
         out["best fixed"] = min(fixed, key=lambda k: out["rounds"][k])
-    good = {"edit": {0, 1}, "generate": {2}}  # PLD / draft-E on edit, draft-G on generate
-    for k in ("UCBSpec", "EXP3Spec"):
-        if k in res:
-            hits = [a in good[kind] for t, kind in zip(res[k], kinds) for a in t.arms[after:]]
-            out[f"domain share {k}"] = float(np.mean(hits)) if hits else float("nan")
+    if fixed:
+        arm = [int(k.split()[1]) for k in fixed]
+        per = np.array([rounds[k] for k in fixed])  # (fixed arms, prompts)
+        good = [{arm[r] for r in np.flatnonzero(col <= near * col.min())} for col in per.T]
+        out["near-best arms"] = {f"{kind} {j}": sorted(g) for j, (kind, g) in enumerate(zip(kinds, good))}
+        for k in ("UCBSpec", "EXP3Spec"):
+            if k in res:
+                hits = [a in g for t, g in zip(res[k], good) for a in t.arms[after:]]
+                out[f"near-best share {k}"] = float(np.mean(hits)) if hits else float("nan")
     return out
 
 
@@ -190,17 +200,20 @@ def checkpoint_run(model: str, draft: str, data: str, cfg: Config, *, n_prompts:
     target, tok = load_model(model, device=device)
     if tok is None:
         raise ParamError(f"model={model!r} has no tokenizer in its folder; BanditSpec needs one to read `data`.")
-    arms = [Arm(f"PLD γ={cfg.L_b}", PromptLookup(3, target.config.vocab_size), cfg.L_b),
-            Arm(f"PLD γ={max(1, cfg.L_b // 2)}", PromptLookup(3, target.config.vocab_size), max(1, cfg.L_b // 2))]
-    models = [target]
+    V, L, half = target.config.vocab_size, cfg.L_b, max(1, cfg.L_b // 2)
+    models, dm = [target], None
     if draft:
         dm, _ = load_model(draft, device=device)
-        if dm.config.vocab_size != target.config.vocab_size:
+        if dm.config.vocab_size != V:
             raise ParamError(f"draft={draft!r} has a vocabulary of {dm.config.vocab_size} tokens and the target "
-                             f"{target.config.vocab_size}; BanditSpec's drafters must share the target's tokenizer.")
-        arms[1:] = [Arm(f"draft γ={cfg.L_b}", LMDrafter(dm), cfg.L_b),
-                    Arm(f"draft γ={max(1, cfg.L_b // 2)}", LMDrafter(dm), max(1, cfg.L_b // 2)), arms[1]]
+                             f"{V}; BanditSpec's drafters must share the target's tokenizer.")
         models.append(dm)
+
+    def build() -> list[Arm]:  # fresh for each policy (the suffix tree remembers earlier outputs)
+        lm = [Arm(f"draft γ={L}", LMDrafter(dm), L), Arm(f"draft γ={half}", LMDrafter(dm), half)] if dm else []
+        return [Arm(f"PLD γ={L}", PromptLookup(3, V), L), *lm, Arm(f"suffix γ={L}", SuffixTree(vocab_size=V), L),
+                Arm(f"PLD γ={half}", PromptLookup(3, V), half)]
+    arms = build()
     for m in models:
         m.generation_config.eos_token_id = None
         m.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -210,8 +223,11 @@ def checkpoint_run(model: str, draft: str, data: str, cfg: Config, *, n_prompts:
         raise ParamError(f"data={data!r} holds no text of at least 4 tokens to prompt with.")
     pols = tuple(f"fixed {i}" for i in range(len(arms))) + ("UCBSpec", "EXP3Spec")
     ref = [plain(target, p, gen_len) for p in prompts]
-    res = {pol: [bandit_generate(target, arms, p, gen_len, policy=pol, seed=seed * 1000 + j, cr_scale=cfg.cr_scale_b,
-                                 delta=cfg.delta) for j, p in enumerate(prompts)] for pol in pols}
+    res = {}
+    for pol in pols:
+        fresh = build()
+        res[pol] = [bandit_generate(target, fresh, p, gen_len, policy=pol, seed=seed * 1000 + j,
+                                    cr_scale=cfg.cr_scale_b, delta=cfg.delta) for j, p in enumerate(prompts)]
     rounds = {pol: [t.rounds for t in res[pol]] for pol in pols}
     fixed = np.array([rounds[f"fixed {i}"] for i in range(len(arms))])
     return {"arms": [a.name for a in arms], "prompts": len(prompts), "tokens": gen_len * len(prompts),
@@ -244,6 +260,10 @@ def _timed(fn, counter: CallCounter, prompts: list, n_new: int) -> dict:
     return {"calls": counter.n, "mat": tokens / max(counter.n, 1), "tok/s": tokens / wall, "outputs": outs}
 
 
+def _ours(target, arms: list[Arm], n: int, prompt: list[int], **kw) -> list[int]:
+    return bandit_generate(target, arms, prompt, n, **kw).tokens
+
+
 def bench_run(cfg: Config, seed: int = 0, device: str = "cpu", n_prompts: int | None = None,
               n_new: int | None = None) -> dict:
     """Every decoder on the same toy target, drafters and mixed prompts: plain `generate`, `transformers`
@@ -257,17 +277,16 @@ def bench_run(cfg: Config, seed: int = 0, device: str = "cpu", n_prompts: int | 
         gc = T[d].generation_config
         gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = cfg.L_b, \
             "constant", 0.0
-    arms = arms_of(T, cfg.L_b, target.config.vocab_size)
+    arms = lambda: arms_of(T, cfg.L_b, target.config.vocab_size)  # fresh per row: the suffix tree remembers
     rows = {"plain generate": lambda p: plain(target, p, n)}
     for d in ("draft-E", "draft-G"):
         rows[f"transformers assisted ({d})"] = lambda p, d=d: plain(target, p, n, assistant_model=T[d])
     rows["transformers prompt lookup"] = lambda p: plain(target, p, n, prompt_lookup_num_tokens=cfg.L_b,
                                                          max_matching_ngram_size=3)
-    for i, a in enumerate(arms):
-        rows[f"ours, fixed {a.name}"] = lambda p, i=i: bandit_generate(target, arms, p, n, policy=f"fixed {i}").tokens
+    for i, a in enumerate(arms()):
+        rows[f"ours, fixed {a.name}"] = partial(_ours, target, arms(), n, policy=f"fixed {i}")
     for pol in ("UCBSpec", "EXP3Spec"):
-        rows[f"ours, {pol}"] = lambda p, pol=pol: bandit_generate(target, arms, p, n, policy=pol, seed=seed,
-                                                                  cr_scale=cfg.cr_scale_b).tokens
+        rows[f"ours, {pol}"] = partial(_ours, target, arms(), n, policy=pol, seed=seed, cr_scale=cfg.cr_scale_b)
     _timed(rows["plain generate"], counter, prompts[:1], n)  # warm-up
     out = {name: _timed(fn, counter, prompts, n) for name, fn in rows.items()}
     counter.handle.remove()

@@ -3,8 +3,9 @@ that share a tokenizer: drafters, KV caches cropped on rejection, greedy and rej
 
 - An arm is (drafter, γ): `LMDrafter` (a small causal LM, its own `DynamicCache`) or `PromptLookup` (n-gram match
   over prompt + generated text, as `transformers`' `PromptLookupCandidateGenerator`: longest n-gram first, the
-  earliest earlier occurrence with a continuation). A drafter proposes up to γ tokens and, for sampling, their
-  draft distributions q (PLD's q is one-hot).
+  earliest earlier occurrence with a continuation) or `SuffixTree` (SuffixDecoding: the most frequent continuation
+  in the prompt and in earlier outputs). A drafter proposes up to γ tokens and, for sampling, their draft
+  distributions q (the model-free drafters' q is one-hot).
 - Caches hold a prefix of the verified text; each call first crops a cache to the longest common prefix with the
   current text and feeds what is missing (an idle drafter catches up with the tokens other arms produced).
 - Greedy: accept the longest prefix of drafts equal to the target argmax, then the target's argmax (the official
@@ -15,6 +16,7 @@ that share a tokenizer: drafters, KV caches cropped on rejection, greedy and rej
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,6 +108,61 @@ class PromptLookup:
         return [], None
 
 
+class SuffixTree:
+    """SuffixDecoding (Oliaro et al., 2024), the paper's model-free "Suffix Tree" arm, as one chain: a per-request
+    tree over the prompt and the text generated so far, and a global tree over earlier requests' outputs (`finish`
+    adds one). In each tree the longest suffix of the text (≤ `max_depth` tokens) that occurs with a continuation is
+    the match; from there the chain follows the most frequent next token while the path's empirical probability
+    (the product of count(child) / count(children of the node)) stays ≥ `min_prob`; the tree whose chain has the
+    larger score Σ path probabilities (expected accepted tokens) drafts. Counting the occurrences of the matched
+    text is the suffix tree's walk (a node's count is its substring's occurrences); no tree is materialised.
+    SuffixDecoding grows a speculation *tree* and tries several match lengths; the chain, the longest match and
+    the text kept (whole outputs) are this lab's simplifications for a chain verifier."""
+
+    kind = "suffix"
+
+    def __init__(self, max_depth: int = 16, min_prob: float = 0.1, vocab_size: int | None = None):
+        self.max_depth, self.min_prob, self.vocab_size = max_depth, min_prob, vocab_size
+        self.outputs: list[list[int]] = []
+
+    def finish(self, output: list[int]) -> None:
+        self.outputs.append(list(output))
+
+    def walk(self, texts: list[list[int]], ids: list[int], gamma: int) -> tuple[list[int], float]:
+        """(chain, score) of the longest match of ids' suffix in `texts`."""
+        conts: list[list[int]] = []
+        for n in range(min(self.max_depth, len(ids)), 0, -1):
+            tail = np.asarray(ids[-n:])
+            for t in texts:
+                arr = np.asarray(t)
+                if len(arr) > n:
+                    win = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # matches with a next token
+                    conts += [t[s + n:s + n + gamma] for s in np.flatnonzero((win == tail).all(axis=1))]
+            if conts:
+                break
+        chain, p, score = [], 1.0, 0.0
+        for j in range(gamma):
+            counts = Counter(c[j] for c in conts if len(c) > j)
+            if not counts:
+                break
+            x, c = counts.most_common(1)[0]
+            p *= c / sum(counts.values())
+            if p < self.min_prob:
+                break
+            chain.append(x)
+            score += p
+            conts = [c for c in conts if len(c) > j and c[j] == x]
+        return chain, score
+
+    def propose(self, ids: list[int], gamma: int, *, greedy: bool, temperature: float,
+                gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        local, glob = self.walk([ids], ids, gamma), self.walk(self.outputs, ids, gamma)
+        chain = (glob if glob[1] > local[1] else local)[0]
+        if not chain or greedy:
+            return chain, None
+        return chain, torch.nn.functional.one_hot(torch.tensor(chain), self.vocab_size).double()
+
+
 @dataclass(frozen=True)
 class Arm:
     name: str
@@ -189,4 +246,7 @@ def bandit_generate(target, arms: list[Arm], prompt: list[int], max_new: int, *,
         pol.update(np.array([i]), np.array([k + 1.0]))
     cut = len(tr.tokens) if eos is None or eos not in tr.tokens else tr.tokens.index(eos) + 1
     tr.tokens, tr.source = tr.tokens[:min(cut, max_new)], tr.source[:min(cut, max_new)]
+    for a in {id(a.drafter): a.drafter for a in arms}.values():  # a suffix tree remembers this output
+        if a.kind == "suffix":
+            a.finish(tr.tokens)
     return tr

@@ -14,7 +14,8 @@ from scipy.stats import chisquare, entropy
 from lab.models.zoo import tiny_llama
 from lab.reasoning import banditspec as bs
 from lab.reasoning import banditspec_bench as bb
-from lab.reasoning.banditspec_decode import Arm, LMDrafter, PromptLookup, bandit_generate, verify_greedy, verify_sample
+from lab.reasoning.banditspec_decode import (Arm, LMDrafter, PromptLookup, SuffixTree, bandit_generate, verify_greedy,
+                                             verify_sample)
 
 
 def test_truncated_geometric_mean_matches_monte_carlo_and_pmf():
@@ -129,6 +130,85 @@ def test_prompt_lookup_takes_the_earliest_longest_match():
     assert pld.propose([5, 6, 8], 2, greedy=True, temperature=1.0, gen=None)[0] == []
     drafts, q = pld.propose(ids, 2, greedy=False, temperature=1.0, gen=None)
     assert drafts == [4, 5] and torch.equal(q.argmax(-1), torch.tensor([4, 5])) and q.sum() == 2
+
+
+def _trie(texts, depth):
+    """A suffix trie with counts, built by hand: node[path] = {next token: occurrences of path + token}."""
+    node: dict = {}
+    for t in texts:
+        for s in range(len(t)):
+            for e in range(s, min(len(t) - 1, s + depth)):
+                nxt = node.setdefault(tuple(t[s:e + 1]), {})
+                nxt[t[e + 1]] = nxt.get(t[e + 1], 0) + 1
+    return node
+
+
+def _trie_chain(node, ids, gamma, max_depth, min_prob):
+    """The reference walk: the longest suffix of ids with children, then the most frequent child (every tied token
+    listed; the walk stops at a tie) while the path probability stays >= min_prob."""
+    for n in range(min(max_depth, len(ids)), 0, -1):
+        if node.get(tuple(ids[-n:])):
+            path = list(ids[-n:])
+            break
+    else:
+        return [], 0.0
+    chain, p, score = [], 1.0, 0.0
+    for _ in range(gamma):
+        kids = node.get(tuple(path))
+        if not kids:
+            break
+        c = max(kids.values())
+        p *= c / sum(kids.values())
+        if p < min_prob:
+            break
+        chain.append([x for x, v in kids.items() if v == c])  # every most frequent token (ties)
+        score += p
+        path.append(chain[-1][0] if len(chain[-1]) == 1 else None)
+        if path[-1] is None:
+            break
+    return chain, score
+
+
+def test_suffix_tree_walk_matches_a_counted_trie():
+    """The chain on random texts against a trie built by hand: the longest match, the most frequent child, the
+    product of count ratios as the path probability, the stop below min_prob; the local text excludes its own end."""
+    rng = np.random.default_rng(0)
+    checked = 0
+    for trial in range(200):
+        texts = [rng.integers(0, 4, rng.integers(5, 30)).tolist() for _ in range(rng.integers(1, 4))]
+        ids = rng.integers(0, 4, rng.integers(1, 10)).tolist()
+        st = SuffixTree(max_depth=5, min_prob=0.2)
+        got, score = st.walk(texts, ids, 4)
+        want, want_score = _trie_chain(_trie(texts, 5 + 4), ids, 4, 5, 0.2)
+        # compare up to the first tie (a tie may go either way; the counts are the same)
+        k = next((i for i, w in enumerate(want) if len(w) > 1), len(want))
+        assert [w[0] for w in want[:k]] == got[:k]
+        if k == len(want):
+            assert len(got) == len(want) and math.isclose(score, want_score)
+            checked += 1
+    assert checked > 100
+    # the local tree: the text's own last n tokens are not a match of themselves
+    st = SuffixTree(max_depth=4, min_prob=0.1, vocab_size=10)
+    assert st.propose([1, 2, 3], 3, greedy=True, temperature=1.0, gen=None) == ([], None)
+    assert st.propose([1, 2, 3, 9, 1, 2], 3, greedy=True, temperature=1.0, gen=None)[0] == [3, 9, 1]
+    # the global tree drafts once it has seen an output; the higher-scoring tree wins
+    st.finish([5, 6, 7, 8])
+    assert st.propose([0, 5, 6], 2, greedy=True, temperature=1.0, gen=None)[0] == [7, 8]
+    st.finish([5, 6, 4])
+    st.finish([5, 6, 4])  # now 6 -> 4 twice, 6 -> 7 once: p = 2/3, then 4 ends every text
+    drafts, q = st.propose([0, 5, 6], 2, greedy=False, temperature=1.0, gen=None)
+    assert drafts == [4] and torch.equal(q.argmax(-1), torch.tensor([4]))
+
+
+def test_suffix_tree_arm_is_lossless_and_remembers_earlier_outputs():
+    target, _ = _tiny_pair()
+    arms = [Arm("suffix", SuffixTree(vocab_size=40), 4)]
+    prompt = [3, 4, 5, 6, 7]
+    first = bandit_generate(target, arms, prompt, 30, policy="fixed 0")
+    again = bandit_generate(target, arms, prompt, 30, policy="fixed 0")  # its own output is now in the global tree
+    assert first.tokens == again.tokens == bb.plain(target, prompt, 30)
+    assert arms[0].drafter.outputs == [first.tokens, again.tokens]
+    assert again.rounds <= first.rounds // 2  # 9 against 20 here: most rounds now accept four drafts
 
 
 def _tiny_pair(V=40, seed=0):
