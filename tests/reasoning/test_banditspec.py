@@ -14,8 +14,15 @@ from scipy.stats import chisquare, entropy
 from lab.models.zoo import tiny_llama
 from lab.reasoning import banditspec as bs
 from lab.reasoning import banditspec_bench as bb
-from lab.reasoning.banditspec_decode import (Arm, LMDrafter, PromptLookup, SuffixTree, bandit_generate, verify_greedy,
-                                             verify_sample)
+from lab.reasoning.banditspec_decode import (
+    Arm,
+    LMDrafter,
+    PromptLookup,
+    SuffixTree,
+    bandit_generate,
+    verify_greedy,
+    verify_sample,
+)
 
 
 def test_truncated_geometric_mean_matches_monte_carlo_and_pmf():
@@ -174,7 +181,7 @@ def test_suffix_tree_walk_matches_a_counted_trie():
     product of count ratios as the path probability, the stop below min_prob; the local text excludes its own end."""
     rng = np.random.default_rng(0)
     checked = 0
-    for trial in range(200):
+    for _ in range(200):
         texts = [rng.integers(0, 4, rng.integers(5, 30)).tolist() for _ in range(rng.integers(1, 4))]
         ids = rng.integers(0, 4, rng.integers(1, 10)).tolist()
         st = SuffixTree(max_depth=5, min_prob=0.2)
