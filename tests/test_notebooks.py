@@ -108,6 +108,6 @@ def test_gather_aggregate_on_a_checkpoint_folder(tmp_path):
     assert rec["status"] == "measured" and rec["claims"] == []
     heads = rec["metrics"]["heads"]["checkpoint"]
     assert heads["layers"][1] == heads["layers"][0] + 1 and len(heads["drop"]) == 2 and len(heads["drop"][0]) == 2
-    rows = rec["metrics"]["answer_rows_masked"]  # step 5 on a Transformer: every block is attention; letters only
+    rows = rec["metrics"]["answer_rows_masked"]["checkpoint"]  # step 5 on a Transformer: all attention; letters only
     assert list(rows) == ["intact", "every attention block", "L0 attention", "L1 attention", "L2 attention"]
     assert all(0 <= letter <= 1 and cloze == "nan" for letter, cloze in rows.values())  # no cloze: nan

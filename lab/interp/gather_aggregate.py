@@ -45,8 +45,8 @@ CONTROLS = {
                     "layers; each comparison with random heads then sets random against random (`versus_random`)",
     "shuffled": "measure the aggregate row's mass on a randomly drawn wrong option instead of the answer's option",
     "untrained": "the same three architectures at their random initialisation, never trained",
-    "ssm_row": "in the hybrid, mask the answer row of the SSM block just before the attention block instead of the "
-               "attention's: the same operator on a mixer that could aggregate",
+    "ssm_row": "in each hybrid, mask the answer row of the SSM block next to the attention block (MMA: L1, before it; "
+               "MAM: L2, after it) instead of the attention's: the same operator on a mixer that could aggregate",
 }
 
 # (gather (layer, head), aggregate (layer, head)) reported in the paper / official notebook
@@ -63,8 +63,8 @@ def paper_heads(model_name: str) -> tuple[tuple[int, int], tuple[int, int]] | No
 class Config:
     """Every size of the notebook at a scale: the mini-MMLU letter task (`LetterRetrieval`, letters drawn
     per prompt from `n_labels`, min..n options per training batch, `eval_options` at evaluation as in
-    MMLU), a Llama-style Transformer, a Mamba-2 (SSD heads of `head_dim`) and a hybrid of the two (`hybrid_layout`:
-    M a Mamba-2 block, A an attention block), the held-out prompts."""
+    MMLU), a Llama-style Transformer, a Mamba-2 (SSD heads of `head_dim`) and two hybrids of the two
+    (`hybrid_layouts`: M a Mamba-2 block, A an attention block), the held-out prompts."""
 
     n_questions: int = 4
     n_labels: int = 8
@@ -77,7 +77,7 @@ class Config:
     head_dim: int = 16
     transformer_steps: int = 1000
     mamba2_steps: int = 260  # Mamba-2 learns the task ~5× faster in steps
-    hybrid_layout: str = "MMA"  # Mamba-2, Mamba-2, attention: the SSM blocks alone could gather and aggregate
+    hybrid_layouts: tuple[str, ...] = ("MMA", "MAM")  # the SSM blocks could aggregate before / after attention
     hybrid_steps: int = 300
     batch_size: int = 64
     lr: float = 3e-3

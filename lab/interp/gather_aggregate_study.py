@@ -1,5 +1,5 @@
 """What the Gather & Aggregate protocol studies (`lab.interp.gather_aggregate`; Bick, Xing & Gu, ICML 2025, §3):
-the two toys (a Llama-style Transformer and a Mamba-2, plus a Mamba-2/attention hybrid for step 5) trained, or
+the two toys (a Llama-style Transformer and a Mamba-2, plus two Mamba-2/attention hybrids for step 5) trained, or
 loaded from the cache, on the mini-MMLU letter task, or a checkpoint on English category MCQs, each with its
 held-out letter, cloze and verification prompts.
 
@@ -38,7 +38,7 @@ class Study:
     heads: dict[str, tuple[tuple[int, int], tuple[int, int]] | None]  # None: the sweep finds G and A
     info: dict[str, dict]  # per model: what was built or loaded
     verify_ex: list[dict] = field(default_factory=list)  # letter prompts that did not choose G and A
-    hybrid: nn.Module | None = None  # the toy hybrid of step 5 (a checkpoint is studied as it is)
+    hybrids: dict[str, nn.Module] = field(default_factory=dict)  # step 5's toy hybrids by layout
 
     def letter(self, model: nn.Module) -> Evaluate:  # retrieval
         return partial(choice_accuracy, model, self.tokenizer, self.letter_ex, self.task.letters)
@@ -51,7 +51,7 @@ class Study:
 
 
 def train_toys(cfg: Config, seed: int, *, device: str = "cpu") -> Study:
-    """The Transformer, the Mamba-2 and the hybrid trained (or loaded from the cache) on the same letter batches."""
+    """The Transformer, the Mamba-2 and the hybrids trained (or loaded from the cache) on the same letter batches."""
     g = torch.Generator().manual_seed(10_000 + seed)
     task = LetterRetrieval(max_filler=0, n_questions=cfg.n_questions, n_labels=cfg.n_labels,
                            n_options=cfg.n_options, min_options=cfg.min_options)
@@ -60,8 +60,9 @@ def train_toys(cfg: Config, seed: int, *, device: str = "cpu") -> Study:
                                       n_heads=cfg.n_heads), cfg.transformer_steps),
               "mamba2": (partial(tiny_mamba2, vocab_size=V, d_model=cfg.d_model, n_layers=cfg.n_layers,
                                  head_dim=cfg.head_dim), cfg.mamba2_steps),
-              "hybrid": (partial(tiny_hybrid, vocab_size=V, d_model=cfg.d_model, layout=cfg.hybrid_layout,
-                                 n_heads=cfg.n_heads, head_dim=cfg.head_dim), cfg.hybrid_steps)}
+              **{f"hybrid {lay}": (partial(tiny_hybrid, vocab_size=V, d_model=cfg.d_model, layout=lay,
+                                             n_heads=cfg.n_heads, head_dim=cfg.head_dim), cfg.hybrid_steps)
+                 for lay in cfg.hybrid_layouts}}
     models, info = {}, {}
     for name, (build, steps) in builds.items():
         res = fit(build, task, TrainConfig(steps=steps, batch_size=cfg.batch_size, lr=cfg.lr, seed=seed), device=device)
@@ -73,9 +74,9 @@ def train_toys(cfg: Config, seed: int, *, device: str = "cpu") -> Study:
     cloze_ex = task.examples(cfg.n_cloze, g, "cloze")
     verify_ex = task.examples(cfg.n_verify, torch.Generator().manual_seed(30_000 + seed), "letter",
                               n_options=cfg.eval_options)
-    hybrid = models.pop("hybrid")
+    hybrids = {lay: models.pop(f"hybrid {lay}") for lay in cfg.hybrid_layouts}
     return Study(models, task.tokenizer, task, letter_ex, cloze_ex, {name: (0, 1) for name in models},
-                 {name: None for name in models}, info, verify_ex, hybrid)
+                 {name: None for name in models}, info, verify_ex, hybrids)
 
 
 def load_checkpoint(cfg: Config, model: str, seed: int, *, device: str = "cpu") -> Study:

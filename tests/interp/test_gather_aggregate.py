@@ -78,7 +78,7 @@ def test_the_notebook_declares_the_documented_controls():
     from lab.core.runner import declared_controls
 
     nb = Path(__file__).resolve().parents[2] / "notebooks" / "09_gather_aggregate.ipynb"
-    assert set(declared_controls(nb)) == set(ga.CONTROLS) == {"random_heads", "shuffled", "untrained"}
+    assert set(declared_controls(nb)) == set(ga.CONTROLS) == {"random_heads", "shuffled", "untrained", "ssm_row"}
 
 
 def test_config_for_scale_and_controls():
@@ -87,7 +87,9 @@ def test_config_for_scale_and_controls():
     assert (full.transformer_steps, full.mamba2_steps, full.n_letter, full.n_rows) == (3000, 780, 1000, 256)
     assert smoke.n_draws % 2 == 0  # layer_versus_random draws antithetic pairs
     untrained = ga.Config.for_scale("full", "untrained"), ga.Config.for_scale("smoke", "untrained")
-    assert all(c.transformer_steps == c.mamba2_steps == 0 for c in untrained)
+    assert all(c.transformer_steps == c.mamba2_steps == c.hybrid_steps == 0 for c in untrained)
+    assert (smoke.hybrid_steps, full.hybrid_steps, smoke.hybrid_layouts) == (300, 900, ("MMA", "MAM"))
+    assert ga.Config.for_scale("smoke", "ssm_row") == smoke  # the control changes what is masked, not the models
     assert ga.Config.for_scale("smoke", "shuffled") == smoke
     with pytest.raises(ValueError, match="unknown control"):
         ga.Config.for_scale("smoke", "nope")
@@ -105,10 +107,12 @@ def test_untrained_toys_are_the_seeded_initialisation_and_prompts_come_from_thei
     want = {"transformer": tiny_llama(vocab_size=V, d_model=64, n_layers=2, n_heads=4)}
     torch.manual_seed(3)
     want["mamba2"] = tiny_mamba2(vocab_size=V, d_model=64, n_layers=2, head_dim=16)
-    torch.manual_seed(3)
-    want["hybrid"] = tiny_hybrid(vocab_size=V, d_model=64, layout="MMA", n_heads=4, head_dim=16)
+    for layout in ("MMA", "MAM"):
+        torch.manual_seed(3)
+        want[layout] = tiny_hybrid(vocab_size=V, d_model=64, layout=layout, n_heads=4, head_dim=16)
+    assert list(study.hybrids) == ["MMA", "MAM"]
     for name, m in want.items():
-        got = (study.hybrid if name == "hybrid" else study.models[name]).state_dict()
+        got = (study.hybrids[name] if name in study.hybrids else study.models[name]).state_dict()
         assert all(torch.equal(got[k], v) for k, v in m.state_dict().items())
     g = torch.Generator().manual_seed(10_003)
     assert study.letter_ex == task.examples(6, g, "letter", n_options=4)
@@ -239,7 +243,7 @@ def test_answer_rows_masked_against_the_rows_zeroed_by_hand():
         with hooks.zero_rows(m, [layer]):
             assert rows[name][0] == letter()
             assert not torch.allclose(logits(letter_ex), full)  # the answer row mattered
-    assert rows["every attention block"] == rows["L1 attention"]
+    assert rows["every attention block"][0] == rows["L1 attention"][0]
     both = ga.answer_rows_masked(m, letter, lambda: choice_accuracy(m, task.tokenizer, cloze_ex, task.contents))
     assert both["intact"][0] == rows["intact"][0] and 0 <= both["intact"][1] <= 1
     torch.testing.assert_close(logits(letter_ex), full)  # nothing left behind
