@@ -57,15 +57,15 @@ def train_toys(cfg: Config, seed: int, *, device: str = "cpu") -> Study:
                            n_options=cfg.n_options, min_options=cfg.min_options)
     V = len(task.tokenizer)
     builds = {"transformer": (partial(tiny_llama, vocab_size=V, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                                      n_heads=cfg.n_heads), cfg.transformer_steps),
+                                      n_heads=cfg.n_heads), cfg.transformer_steps, cfg.batch_size),
               "mamba2": (partial(tiny_mamba2, vocab_size=V, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                                 head_dim=cfg.head_dim), cfg.mamba2_steps),
+                                 head_dim=cfg.head_dim), cfg.mamba2_steps, cfg.batch_size),
               **{f"hybrid {lay}": (partial(tiny_hybrid, vocab_size=V, d_model=cfg.d_model, layout=lay,
-                                             n_heads=cfg.n_heads, head_dim=cfg.head_dim), cfg.hybrid_steps)
-                 for lay in cfg.hybrid_layouts}}
+                                             n_heads=cfg.n_heads, head_dim=cfg.head_dim), cfg.hybrid_steps,
+                                   cfg.hybrid_batch_size) for lay in cfg.hybrid_layouts}}
     models, info = {}, {}
-    for name, (build, steps) in builds.items():
-        res = fit(build, task, TrainConfig(steps=steps, batch_size=cfg.batch_size, lr=cfg.lr, seed=seed), device=device)
+    for name, (build, steps, batch) in builds.items():
+        res = fit(build, task, TrainConfig(steps=steps, batch_size=batch, lr=cfg.lr, seed=seed), device=device)
         models[name] = res.model
         info[name] = {"parameters": sum(p.numel() for p in res.model.parameters()), "steps": steps,
                       "final loss": round(res.losses[-1], 4) if steps else float("nan"), "from the cache": res.cached,

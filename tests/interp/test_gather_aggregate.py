@@ -88,7 +88,8 @@ def test_config_for_scale_and_controls():
     assert smoke.n_draws % 2 == 0  # layer_versus_random draws antithetic pairs
     untrained = ga.Config.for_scale("full", "untrained"), ga.Config.for_scale("smoke", "untrained")
     assert all(c.transformer_steps == c.mamba2_steps == c.hybrid_steps == 0 for c in untrained)
-    assert (smoke.hybrid_steps, full.hybrid_steps, smoke.hybrid_layouts) == (300, 900, ("MMA", "MAM"))
+    assert (smoke.hybrid_steps, full.hybrid_steps, smoke.hybrid_batch_size) == (300, 900, 32)
+    assert smoke.hybrid_layouts == ("MMA", "MAM")
     assert ga.Config.for_scale("smoke", "ssm_row") == smoke  # the control changes what is masked, not the models
     assert ga.Config.for_scale("smoke", "shuffled") == smoke
     with pytest.raises(ValueError, match="unknown control"):
