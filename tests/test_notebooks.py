@@ -111,3 +111,31 @@ def test_gather_aggregate_on_a_checkpoint_folder(tmp_path):
     rows = rec["metrics"]["answer_rows_masked"]["checkpoint"]  # step 5 on a Transformer: all attention; letters only
     assert list(rows) == ["intact", "every attention block", "L0 attention", "L1 attention", "L2 attention"]
     assert all(0 <= letter <= 1 and cloze == "nan" for letter, cloze in rows.values())  # no cloze: nan
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(300)
+def test_gather_aggregate_on_a_hybrid_checkpoint_folder(tmp_path):
+    """model=<folder> of a Mamba-2/attention hybrid (Bamba classes): the pruning curve (skipped Bamba blocks
+    return the tuple its loop unpacks), the head sweep over blocks with different head counts, step 5's masks and
+    the explorer's hidden attention of Bamba's Mamba-2 mixers all run; measured, nothing checked."""
+    import torch
+
+    from lab.data.mcq import CategoryMCQ
+    from lab.models import tiny_hybrid
+    from lab.models.tokenizer import word_tokenizer
+
+    mcq, g = CategoryMCQ(), torch.Generator().manual_seed(0)
+    ex = mcq.examples(200, g, "letter") + mcq.examples(200, g, "cloze")
+    tok = word_tokenizer(sorted({w for e in ex for w in (e["prompt"] + " " + " ".join(e.get("choices") or [])).split()}
+                                | set(mcq.letters)))
+    torch.manual_seed(0)
+    tiny_hybrid(vocab_size=len(tok), d_model=32, layout="MAM", n_heads=2, head_dim=16).save_pretrained(tmp_path / "h")
+    tok.save_pretrained(tmp_path / "h")
+    proc = run_lab("run", "09_gather_aggregate", "-p", "model", str(tmp_path / "h"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "out" / "09_gather_aggregate.json").read_text())
+    assert rec["status"] == "measured" and rec["claims"] == []
+    rows = rec["metrics"]["answer_rows_masked"]["checkpoint"]
+    assert list(rows) == ["intact", "every attention block", "L0 SSM", "L1 attention", "L2 SSM"]
+    assert rows["every attention block"] == rows["L1 attention"]

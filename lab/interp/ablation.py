@@ -73,7 +73,8 @@ def collapse_layer(curve: list[float], *, chance: float, margin: float = 0.5) ->
 # ------------------------------------------------------------------------------- the head level
 
 def head_sweep(model: nn.Module, layer_ids: Iterable[int], evaluate: Evaluate) -> torch.Tensor:
-    """Accuracy drop when removing each single head of each listed layer: (len(layers), H)."""
+    """Accuracy drop when removing each single head of each listed layer: (len(layers), max H), nan past a layer's
+    own heads (a hybrid's attention and SSM blocks have different head counts)."""
     base = evaluate()
     rows = []
     for layer in layer_ids:
@@ -83,7 +84,8 @@ def head_sweep(model: nn.Module, layer_ids: Iterable[int], evaluate: Evaluate) -
             with hooks.ablate_heads(model, {layer: [h]}):
                 row.append(base - evaluate())
         rows.append(row)
-    return torch.tensor(rows)
+    width = max(map(len, rows))
+    return torch.tensor([r + [float("nan")] * (width - len(r)) for r in rows])
 
 
 # ------------------------------------------------------------------------ against random heads

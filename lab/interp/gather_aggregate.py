@@ -203,14 +203,15 @@ def discover(model: nn.Module, letter: Evaluate, cloze: Evaluate, layer_ids: tup
     lg, la = layer_ids
     drop = ablation.head_sweep(model, [lg, la], letter)
     cloze_drop = ablation.head_sweep(model, [lg, la], cloze)
-    if heads is None:
-        heads = ((lg, int(drop[0].argmax())), (la, int(drop[1].argmax())))
+    if heads is None:  # nan: past a layer's own heads
+        top = drop.nan_to_num(float("-inf"))
+        heads = ((lg, int(top[0].argmax())), (la, int(top[1].argmax())))
     gather, aggregate = heads
     removed = {}
     for name, (layer, h) in (("gather", gather), ("aggregate", aggregate)):
         with hooks.ablate_heads(model, {layer: [h]}):
             removed[name] = (letter(), cloze())
-    others = drop.clone()
+    others = drop.nan_to_num(float("-inf"))
     others[0, gather[1]] = others[1, aggregate[1]] = float("-inf")
     return Discovery(letter(), cloze(), [lg, la], drop, cloze_drop, gather, aggregate, removed,
                      float(others.max()), four_configurations(model, gather, aggregate, letter))

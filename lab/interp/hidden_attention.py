@@ -28,8 +28,9 @@ operator) acts after the norm — a post-norm ablation; the other heads keep the
 removed head's output contributed to. It equals removing the head's output $y_h$ itself only on a
 norm-free mixer such as the official Llamba `DiscreteMamba2` (`out_proj(y * silu(z))`).
 
-Works on Hugging Face `Mamba2Mixer` / `MambaMixer` (transformers 5.x) by replaying their torch forward up
-to the scan; `mixer_output_from_attention` rebuilds the mixer output from the matrix as a check.
+Works on Hugging Face `Mamba2Mixer` (and Bamba hybrids' `BambaMixer`) / `MambaMixer` (transformers 5.x) by
+replaying their torch forward up to the scan; `mixer_output_from_attention` rebuilds the mixer output from the
+matrix as a check.
 `attention` gives any layer's matrices, softmax attention or hidden attention, for the head explorer.
 Shape letters: B batch, T tokens, H heads, P head dim, N state, D inner channels (the variables `B`, `C`
 are the SSM's input/output projections, `D` its skip weight). Padding masks are not supported.
@@ -40,10 +41,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.models.bamba.modeling_bamba import BambaMixer
 from transformers.models.mamba.modeling_mamba import MambaMixer
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
 from lab.models import hooks
+
+MAMBA2 = (Mamba2Mixer, BambaMixer)  # Bamba hybrids' Mamba-2 mixer: the same parameters and scan
 
 
 def segsum(a: Tensor) -> Tensor:
@@ -113,7 +117,7 @@ def mixer_output_from_attention(mixer: Mamba2Mixer | MambaMixer, attn: Tensor, p
     (Mamba-2: gated RMSNorm of $y \cdot \mathrm{silu}(z)$; Mamba-1: $y \cdot \mathrm{silu}(z)$) and `out_proj`.
     Returns (B, T, d_model) in the model's dtype; equals `mixer(hidden_states)` up to rounding."""
     x, z, D = parts["x"].float(), parts["z"], parts["D"].float()
-    if isinstance(mixer, Mamba2Mixer):
+    if isinstance(mixer, MAMBA2):
         y = torch.einsum("bhij,bjhp->bihp", attn, x)  # (B, T, H, P), the skip included
         y = mixer.norm(y.flatten(2), z)  # (B, T, H·P), groups of H·P / n_groups channels
     elif isinstance(mixer, MambaMixer):
@@ -131,7 +135,7 @@ def hidden_attention(model: nn.Module, input_ids: Tensor, layer: int) -> Tensor:
     (B, heads, T, T) float32 (heads = Mamba-2 heads, or Mamba-1 inner channels)."""
     mixer = hooks.mixer(model, layer)
     _, (h,) = hooks.run_with_cache(model, [mixer], input_ids=input_ids, use_cache=False)
-    if isinstance(mixer, Mamba2Mixer):
+    if isinstance(mixer, MAMBA2):
         return mamba2_hidden_attention(mixer, h)[0]
     if isinstance(mixer, MambaMixer):
         return mamba1_hidden_attention(mixer, h)[0]
@@ -144,7 +148,10 @@ def attention(model: nn.Module, input_ids: Tensor, layer: int) -> Tensor:
 
     Softmax attention for attention layers (eager attention); for Mamba-1/2 the SSM's hidden
     attention (`hidden_attention`), which reproduces the layer's scan output."""
-    if hasattr(hooks.mixer(model, layer), "o_proj"):
+    if hooks.is_attention(model, layer):
         out = model(input_ids=input_ids, output_attentions=True, use_cache=False)
+        n = len(hooks.layers(model))
+        if len(out.attentions) < n:  # a hybrid returns its attention blocks' matrices only
+            layer = [i for i in range(n) if hooks.is_attention(model, i)].index(layer)
         return out.attentions[layer].float()
     return hidden_attention(model, input_ids, layer)

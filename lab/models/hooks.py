@@ -187,10 +187,24 @@ def all_heads(model: nn.Module, layer: int) -> Heads:
 # ------------------------------------------------------------------------- skip or swap modules
 
 class Skip(nn.Module):
-    """A decoder block that passes the residual stream through unchanged."""
+    """A decoder block that passes the residual stream through unchanged, in the structure its model's loop
+    unpacks: a tensor (Llama, Mamba-2, Jamba) or a tuple led by the hidden states (Bamba's blocks return
+    (hidden states, attention weights)). The structure is learned once per block class, by running the original
+    block on its first call (a tensor that a tuple-unpacking loop received would be split along the batch)."""
+
+    n_out: dict[type, int] = {}  # block class -> 0 (a tensor) or the tuple's length
+
+    def __init__(self, block: nn.Module | None = None):
+        super().__init__()
+        self._block = [block]  # in a list, so the original's weights are not registered here
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
+        block = self._block[0]
+        if block is not None and type(block) not in Skip.n_out:
+            out = block(hidden_states, *args, **kwargs)
+            Skip.n_out[type(block)] = len(out) if isinstance(out, tuple) else 0
+        n = Skip.n_out.get(type(block), 0)
+        return (hidden_states, *[None] * (n - 1)) if n else hidden_states
 
 
 @contextmanager
@@ -202,9 +216,9 @@ def pruned(model: nn.Module, *, keep_layers: int | None = None, skip: int | None
     try:
         if keep_layers is not None:
             for i in range(keep_layers, len(original)):
-                mods[i] = Skip()
+                mods[i] = Skip(original[i])
         if skip is not None:
-            mods[skip] = Skip()
+            mods[skip] = Skip(original[skip])
         yield model
     finally:
         for i, block in enumerate(original):

@@ -1,4 +1,5 @@
 import copy
+import math
 
 import pytest
 import torch
@@ -117,3 +118,17 @@ def test_layer_versus_random_draws_antithetic_pairs():
     pairs = [{(l, h) for l, hs in r.items() for h in hs} for r in removed]
     assert len(pairs[0]) == len(pairs[1]) == 4 and not pairs[0] & pairs[1]  # the complement
     assert pairs[2] == {(1, h) for h in range(4)}
+
+
+def test_head_sweep_pads_layers_with_fewer_heads_with_nan():
+    from lab.models import tiny_hybrid
+
+    torch.manual_seed(0)
+    m = tiny_hybrid(vocab_size=12, d_model=32, layout="MA", n_heads=2, head_dim=16).eval()  # 4 SSD heads, 2 attention
+    x = torch.randint(0, 12, (4, 6), generator=torch.Generator().manual_seed(0))
+    score = lambda: float(m(input_ids=x).logits[:, -1, 0].mean())
+    drop = ablation.head_sweep(m, [0, 1], score)
+    assert drop.shape == (2, 4) and torch.isnan(drop[1, 2:]).all() and not torch.isnan(drop[:, :2]).any()
+    with hooks.ablate_heads(m, {1: [1]}):
+        removed = score()
+    assert math.isclose(float(drop[1, 1]), score() - removed, rel_tol=1e-6, abs_tol=1e-7)

@@ -58,8 +58,11 @@ def tiny_mamba1(*, hidden_size=16, state_size=4, n_layers=2, expand=2):
 @torch.no_grad()
 def mixer_io(model, input_ids, layer):
     """Input and output of layer `layer`'s mixer during a real forward (hooks)."""
-    mixer, io = model.base_model.layers[layer].mixer, {}
-    h1 = mixer.register_forward_pre_hook(lambda mod, args: io.__setitem__("in", args[0]))
+    from lab.models import hooks
+
+    mixer, io = hooks.mixer(model, layer), {}  # Bamba passes hidden_states= by keyword
+    h1 = mixer.register_forward_pre_hook(
+        lambda mod, args, kw: io.__setitem__("in", args[0] if args else kw["hidden_states"]), with_kwargs=True)
     h2 = mixer.register_forward_hook(lambda mod, args, out: io.__setitem__("out", out))
     model(input_ids=input_ids, use_cache=False)
     h1.remove(), h2.remove()
@@ -190,3 +193,40 @@ def test_attention_for_each_kind():
         assert torch.all(A.triu(1) == 0)
     torch.testing.assert_close(attention(models["llama"], X[:1], 0).sum(-1), torch.ones(1, 4, 9))
     torch.testing.assert_close(attention(models["mamba2"], X[:1], 1), hidden_attention(models["mamba2"], X[:1], 1))
+
+
+def test_a_hybrids_mamba2_and_attention_blocks():
+    """Bamba's Mamba-2 mixer rebuilds from its matrix like Mamba2Mixer; the attention block's matrix is the one
+    transformers returns for that block (a hybrid returns its attention blocks' only), rows summing to 1."""
+    from transformers import AttentionInterface
+
+    from lab.models import tiny_hybrid
+
+    torch.manual_seed(0)
+    m = tiny_hybrid(vocab_size=VOCAB, d_model=32, layout="MAM", n_heads=2, head_dim=16).eval()
+    X = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    for layer in (0, 2):
+        mixer, h, out = mixer_io(m, X, layer)
+        with torch.no_grad():
+            M, parts = mamba2_hidden_attention(mixer, h)
+            assert (mixer_output_from_attention(mixer, M, parts) - out).abs().max() < TOL
+        torch.testing.assert_close(attention(m, X, layer), M)
+    A = attention(m, X, 1)
+    assert A.shape == (2, 2, 9, 9) and torch.all(A.triu(1) == 0)
+    torch.testing.assert_close(A.sum(-1), torch.ones(2, 2, 9))
+    seen = []
+
+    def recording(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+        w = ((query @ key.transpose(-1, -2)) * scaling).masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1),
+                                                                     float("-inf")).softmax(-1)
+        seen.append(w)
+        return (w @ value).transpose(1, 2).contiguous(), w
+
+    AttentionInterface.register("lab_test_recording", recording)
+    m.set_attn_implementation("lab_test_recording")
+    try:
+        with torch.no_grad():
+            m(input_ids=X, use_cache=False)
+    finally:
+        m.set_attn_implementation("eager")
+    torch.testing.assert_close(A, seen[0])  # the only attention block is block 1

@@ -255,3 +255,22 @@ def test_hybrid_checkpoint_families_have_readable_mixers(family):
             cut = logits(m)
         torch.testing.assert_close(cut[:, :-1], full[:, :-1])
         assert not torch.allclose(cut[:, -1], full[:, -1])
+
+
+def test_pruned_blocks_return_what_their_model_unpacks():
+    """Bamba's blocks return (hidden states, attention weights) and its loop unpacks two values: a skipped block
+    must as well (a bare tensor would be unpacked along the batch, silently for a batch of 2, as X is)."""
+    from lab.models import tiny_hybrid
+
+    torch.manual_seed(0)
+    m = tiny_hybrid(vocab_size=V, d_model=32, layout="MAM").eval()
+    with torch.no_grad():
+        after_first = m.model(input_ids=X, output_hidden_states=True, use_cache=False).hidden_states[1]
+        want = m.lm_head(m.model.final_layernorm(after_first))
+    with hooks.pruned(m, keep_layers=1):
+        torch.testing.assert_close(logits(m), want)
+    assert hooks.Skip.n_out[type(m.model.layers[0])] == 2
+    llama = tiny_llama(vocab_size=V, d_model=32, n_layers=2, n_heads=4).eval()
+    with hooks.pruned(llama, skip=1):
+        logits(llama)
+    assert hooks.Skip.n_out[type(llama.model.layers[0])] == 0
