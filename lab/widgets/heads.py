@@ -132,6 +132,8 @@ def head_explorer(models: dict[str, tuple[torch.nn.Module, object]], prompts: Se
             drop, rows = d if isinstance(d, tuple) else (d, None)
             box.drop_fig = drop_figure(drop, layers=rows, title=f"{name.value}: accuracy drop per removed head")
             show_in(out_drop, box.drop_fig)
+        else:  # no sweep for this model: no stale map of another one
+            box.drop_fig, out_drop.outputs = None, ()
 
     def update(_=None):
         model, tok = models[name.value]

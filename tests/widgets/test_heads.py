@@ -61,6 +61,7 @@ def test_explorer_follows_its_controls_and_reports_the_ablation():
     torch.testing.assert_close(torch.tensor(box.drop_fig.data[0].z), drops["transformer"])
     c["model"].value = "mamba2"  # an SSM: hidden attention, its own head count
     assert c["head"].max == 3 and torch.tensor(box.figure.data[0].z).shape == (T, T)
+    assert box.drop_fig is None and box.children[-1].outputs == ()  # no sweep for it: the other map is gone
     c["prompt"].value = 2
     assert box.figure.data[0].y[-1].endswith(EX[2]["prompt"].split()[-1])
 
