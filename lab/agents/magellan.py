@@ -70,6 +70,8 @@ class Config:
     eps_decay: float = 40.0  # (the paper: 320)
     threshold: float = 0.01  # ALP below it is 0 (the paper's)
     fifo: int = 100  # Online-ALP / EK per-goal or per-bucket outcome FIFO (the code's)
+    eval_episodes: int = 1  # Eval-ALP: dedicated evaluation episodes per goal at every recompute (Q1 only)
+    ek_eval_episodes: int = 64  # EK-Eval-ALP: evaluation episodes per expert bucket at every recompute (Q1 only)
     goal_input: str = "tokens"  # "one_hot" under the `one_hot_goals` control
 
     @classmethod

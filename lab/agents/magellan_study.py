@@ -8,6 +8,11 @@ plant, herbivore, carnivore}, the ε-branch uniform over 5 buckets incl. the imp
 the 4 feasible buckets, then a uniform goal inside (`EKOnlineGoalSampler`); plus an oracle driven by the learner's
 true ALP per goal on MAGELLAN's R, N schedule.
 
+The evaluation-based estimators of the paper's Q1 (Sec. 4, not in the official code): Eval-ALP evaluates every goal
+with dedicated episodes, EK-Eval-ALP a sample of goals per expert bucket; both cost evaluation episodes that train
+nothing, which is why the paper uses them to score competence estimation, not to drive training. Here they are run
+beside MAGELLAN on its own learner at each of its recomputes (`Run.q1`), so the three estimate the same competences.
+
 The goal-space swap (the paper's Q4; `main.py` with `adaptation_test`): after the main run, every goal is replaced
 by a held-out-object goal (`little_zoo.make_goal_space(split="test")`) and training goes on. MAGELLAN keeps its
 weights and empties D (`magellan.Magellan.swap`); Online-ALP's per-goal buffers start empty (the new goals have none);
@@ -27,6 +32,7 @@ from lab.agents.magellan import Config, Magellan, Sampler, eps_greedy, epsilon
 from lab.core.stages import stage
 
 SAMPLERS = ("random", "online_alp", "ek_online_alp", "magellan", "oracle")
+Q1 = ("rounds", "magellan", "eval_alp", "ek_eval_alp")  # the competence estimators of the paper's Q1
 
 
 def half_alp(outcomes) -> float:
@@ -105,6 +111,30 @@ class Oracle(Sampler):
             self.alp[self.alp < self.cfg.threshold] = 0.0
 
 
+def eval_alp(true: np.ndarray, m: int, rng) -> np.ndarray:
+    """Eval-ALP's competence estimate: m evaluation episodes of every goal, each a success with the goal's current
+    competence `true` (as in `Student.attempt`, without the practice); the success rate per goal. Costs m·G episodes."""
+    return rng.binomial(m, true) / m
+
+
+def ek_eval_alp(true: np.ndarray, family: np.ndarray, n: int, rng) -> np.ndarray:
+    """EK-Eval-ALP's estimate: n evaluation episodes per expert bucket (the families, the impossible one included),
+    on goals drawn uniformly inside it; every goal gets its bucket's success rate. Costs n·5 episodes."""
+    est = np.empty(len(true))
+    for f in range(len(FAMILIES)):
+        idx = np.flatnonzero(family == f)
+        if len(idx):
+            est[idx] = rng.binomial(1, true[rng.choice(idx, n)]).mean()
+    return est
+
+
+def mae_by_family(est: np.ndarray, true: np.ndarray, family: np.ndarray) -> np.ndarray:
+    """Mean |est − true| over each family's goals, then over every feasible goal: (6,) in FAMILIES + ("feasible",)."""
+    err = np.abs(est - true)
+    masks = [family == f for f in range(len(FAMILIES))] + [family != IMPOSSIBLE]
+    return np.array([err[m].mean() if m.any() else np.nan for m in masks])
+
+
 # ------------------------------------------------------------------------ a run
 
 class Run:
@@ -119,6 +149,8 @@ class Run:
                         "magellan": lambda: Magellan(space, cfg, features, seed)}[name]()
         self.comp, self.sampled, self.estimated = [self.student.family_competence(space)], [], {}
         self.times = np.zeros(len(space), dtype=int)
+        self.q1: list = []  # (round, MAE of MAGELLAN, Eval-ALP, EK-Eval-ALP by `mae_by_family`) at each recompute
+        self.eval_rng = np.random.default_rng([seed, 2])  # the evaluators' own draws: the run's stay as they were
 
     def step(self) -> None:
         sp, t, s = self.space, self.t, self.sampler
@@ -129,7 +161,15 @@ class Run:
         self.sampled.append(np.bincount(sp.family[goals], minlength=len(FAMILIES)))
         if isinstance(s, Magellan) and (t + 1) % self.cfg.R == 0:
             self.estimated[t + 1] = np.array([s.estimate[sp.family == f].mean() for f in range(len(FAMILIES))])
+            self.evaluate(t + 1)
         self.t += 1
+
+    def evaluate(self, t: int) -> None:
+        """Q1 at round t: MAGELLAN's current estimate, Eval-ALP's and EK-Eval-ALP's against the true competence."""
+        sp, cfg, true = self.space, self.cfg, self.student.competence(self.space)
+        ests = (self.sampler.estimate, eval_alp(true, cfg.eval_episodes, self.eval_rng),
+                ek_eval_alp(true, sp.family, cfg.ek_eval_episodes, self.eval_rng))
+        self.q1.append((t, *(mae_by_family(e, true, sp.family) for e in ests)))
 
     def swap(self, space: GoalSpace) -> None:
         """Replace every goal by `space`'s; the curves restart on the new goals."""
@@ -137,6 +177,7 @@ class Run:
         self.sampler.swap(space)
         self.comp, self.sampled, self.estimated = [self.student.family_competence(space)], [], {}
         self.times = np.zeros(len(space), dtype=int)
+        self.q1 = []
 
     def result(self) -> dict:
         """`competence` (rounds+1, 5) true competence per family, `sampled` (rounds, 5) episodes per family,
@@ -148,7 +189,8 @@ class Run:
         est = s.estimate if s.estimate is not None else np.full(len(self.space), np.nan)
         return dict(name=self.name, competence=np.array(self.comp), sampled=np.array(self.sampled),
                     estimated=dict(self.estimated), times_sampled=self.times.copy(), estimate=np.asarray(est, float),
-                    true=self.student.competence(self.space), sampler=s)
+                    true=self.student.competence(self.space), sampler=s,
+                    q1={k: np.array([q[i] for q in self.q1]) for i, k in enumerate(Q1)} if self.q1 else None)
 
 
 def run(space: GoalSpace, name: str, cfg: Config, seed: int = 0, features: Tensor | None = None) -> dict:
@@ -191,6 +233,13 @@ def mae_at_swap(res: dict) -> float:
     """Mean |estimate − true competence| over every new goal right after the swap (before any new outcome)."""
     est, true = res["at_swap"]
     return float(np.mean(np.abs(est - true)))
+
+
+def q1_mae(res: dict, after: int, column: int = -1) -> dict[str, float]:
+    """Each Q1 estimator's MAE (`mae_by_family` column, default the feasible goals) averaged over the recomputes
+    after round `after` (MAGELLAN's untrained start left out)."""
+    q, late = res["q1"], res["q1"]["rounds"] > after
+    return {k: float(q[k][late, column].mean()) for k in Q1[1:]}
 
 
 def rounds_to(curve: np.ndarray, level: float = 0.8) -> int:

@@ -319,3 +319,51 @@ def test_mae_never_sampled_by_hand_and_restricted_to_a_mask():
            "true": np.array([0.25, 0.0, 1.0, 0.0, 1.0])}
     assert ms.mae_never_sampled(res) == pytest.approx((0.25 + 0.1) / 2)  # goal 2 has no estimate
     assert ms.mae_never_sampled(res, np.array([True, True, True, False, True])) == pytest.approx(0.25)
+
+
+def test_eval_alp_error_matches_the_binomial_closed_form():
+    from scipy.stats import binom
+
+    true, rng = np.array([0.0, 1.0, 0.3, 0.5, 0.9]), np.random.default_rng(0)
+    draws = np.stack([ms.eval_alp(true, 4, rng) for _ in range(20_000)])
+    assert set(np.unique(draws * 4)) <= {0, 1, 2, 3, 4} and (draws[:, 0] == 0).all() and (draws[:, 1] == 1).all()
+    k = np.arange(5)
+    closed = (binom.pmf(k[None], 4, true[:, None]) * np.abs(k[None] / 4 - true[:, None])).sum(1)  # E|k/m − p|
+    assert np.allclose(np.abs(draws - true).mean(0), closed, atol=0.01)
+
+
+def test_ek_eval_alp_gives_each_bucket_its_sampled_success_rate(small):
+    sp, _ = small
+    true = np.where(sp.family == 0, 1.0, 0.0) + np.where(sp.family == 2, np.linspace(0, 1, len(sp)), 0.0)
+    est = ms.ek_eval_alp(true, sp.family, 50_000, np.random.default_rng(0))
+    for f in range(5):
+        assert len(np.unique(est[sp.family == f])) == 1  # one value per bucket
+    assert est[sp.family == 0][0] == 1.0 and est[sp.family == 1][0] == 0.0
+    assert est[sp.family == 2][0] == pytest.approx(true[sp.family == 2].mean(), abs=0.01)
+
+
+def test_mae_by_family_and_q1_mae_by_hand():
+    fam = np.array([0, 0, 3, 4, 4])
+    m = ms.mae_by_family(np.array([0.5, 1.0, 0.2, 0.1, 0.0]), np.array([0.25, 1.0, 0.6, 0.0, 0.0]), fam)
+    assert np.isnan(m[1]) and np.isnan(m[2])  # families with no goal here
+    assert np.allclose(m[[0, 3, 4, 5]], [0.125, 0.4, 0.05, (0.25 + 0 + 0.4) / 3])
+    res = {"q1": {"rounds": np.array([4, 8, 12]), **{k: np.arange(18.0).reshape(3, 6) + i for i, k in
+                                                       enumerate(ms.Q1[1:])}}}
+    assert ms.q1_mae(res, after=4) == {"magellan": 14.0, "eval_alp": 15.0, "ek_eval_alp": 16.0}  # rounds 8, 12
+    assert ms.q1_mae(res, after=4, column=3)["magellan"] == 12.0
+
+
+def test_q1_evaluators_score_magellans_estimate_and_leave_the_run_alone(small, monkeypatch):
+    sp, cfg = small
+    r = ms.Run(sp, "magellan", cfg, seed=0)
+    for _ in range(cfg.rounds):
+        r.step()
+    res = r.result()
+    q = res["q1"]
+    assert list(q["rounds"]) == list(range(cfg.R, cfg.rounds + 1, cfg.R)) and q["eval_alp"].shape == (10, 6)
+    last = ms.mae_by_family(r.sampler.model.predict(), r.student.competence(sp), sp.family)  # round 40: a recompute
+    assert np.allclose(q["magellan"][-1], last, equal_nan=True)
+    monkeypatch.setattr(ms.Run, "evaluate", lambda self, t: None)  # no evaluators: the same learner and estimates
+    bare = ms.run(sp, "magellan", cfg, seed=0)
+    assert np.allclose(bare["competence"], res["competence"]) and np.allclose(bare["estimate"], res["estimate"])
+    assert bare["q1"] is None and ms.run(sp, "online_alp", cfg, seed=0)["q1"] is None
