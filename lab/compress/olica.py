@@ -28,7 +28,8 @@ Conventions follow the official code where it is more specific than the paper's 
   layer seeing the already pruned upstream layers.
 
 The notebook's measurements, toy and checkpoint path live in `lab.compress.olica_study`; what the passes capture
-from the model (block inputs, module taps, energies) in `lab.compress.olica_capture`.
+from the model (block inputs, module taps, energies) in `lab.compress.olica_capture`; the scores and the in-place
+edits of one module (bias folding, V/O and FFN pruning, FLAP's compensation, rank-r Q/K) in `lab.compress.olica_ops`.
 The result is an `OlicaLlamaForCausalLM` (`lab.compress.pruned_llama`): a `LlamaForCausalLM` subclass, because a
 plain Llama cannot hold value heads narrower than Q/K heads, rank-r Q/K or the LC term. Baselines at the same sizes:
 random structured pruning, Wanda-sp (|W|·‖X‖ group sums on the raw neurons, unweighted SVD for Q/K), FLAP (An et al.,
@@ -49,6 +50,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from lab.compress import olica_ops as ops
 from lab.compress import pruned_llama as om
 from lab.compress.olica_capture import block_inputs, energy, run_block, stats, taps
 from lab.compress.pruned_llama import OlicaLlamaConfig, OlicaLlamaForCausalLM, param_table  # noqa: F401 (registers)
@@ -207,7 +209,7 @@ def make_plan(model: nn.Module, s: float, k: float, lc_layers=(), lc_ratio: floa
 
 def rotate(attn: nn.Module, how: str, e_out: torch.Tensor, e_in: torch.Tensor, H: int) -> None:
     """Re-parameterise V/O of one attention module in place (exact: the function is unchanged)."""
-    fold_value_bias(attn)  # every recipe: exact, and a baseline that drops value channels keeps their bias's share
+    ops.fold_value_bias(attn)  # every recipe: exact, and a baseline that drops value channels keeps their bias's share
     if how == "none":
         return
     wv, wo = attn.v_proj.weight, attn.o_proj.weight
@@ -215,77 +217,6 @@ def rotate(attn: nn.Module, how: str, e_out: torch.Tensor, e_in: torch.Tensor, H
                                                                           if how == "plain" else e_out, H)
     with torch.no_grad():
         wv.copy_(new[0]), wo.copy_(new[1])
-
-
-def fold_value_bias(attn: nn.Module) -> None:
-    """Move v_proj's bias into o_proj's: b_o ← b_o + W_o b_v, b_v ← 0. Exact, because attention weights sum to one,
-    so every output carries W_o b_v whatever it attends to (except a query that may attend to nothing, e.g. a
-    left-padding position under SDPA, whose output no loss reads); it lets the rotation (which mixes value channels)
-    and the pruning (which drops them) act on weights alone. Llama has no biases; a config with `attention_bias`
-    does."""
-    v, o = attn.v_proj, attn.o_proj
-    if v.bias is None:
-        return
-    b = o.weight.float() @ v.bias.float() + (0 if o.bias is None else o.bias.float())
-    attn.o_proj = om.set_linear(o, o.weight, b.to(o.weight.dtype))
-    with torch.no_grad():
-        v.bias.zero_()
-
-
-def vo_scores(attn: nn.Module, how: str, s_vin, s_oin, g: torch.Generator, var_oin=None) -> torch.Tensor:
-    wv, wo = attn.v_proj.weight.float(), attn.o_proj.weight.float()
-    if how == "flap":  # WIFV: input variance of o_proj's channel times its column's squared norm
-        return var_oin * wo.pow(2).sum(0)
-    if how == "olica":
-        return (wv * s_vin.sqrt()).norm(dim=1) + wo.norm(dim=0) * s_oin.sqrt()
-    if how == "wanda":
-        return (wv.abs() * s_vin.sqrt()).sum(1) + (wo.abs() * s_oin.sqrt()).sum(0)
-    if how == "singular":
-        return wo.norm(dim=0)
-    return torch.rand(wv.shape[0], generator=g).to(wv.device)
-
-
-def compensated_bias(lin: nn.Linear, keep: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor | None:
-    """The bias of `lin` once its input channels outside `keep` are removed: its own bias (if any), plus with `mean`
-    (E[x] over calibration tokens) FLAP's compensation W[:, pruned]·E[x_pruned]."""
-    if mean is None:
-        return lin.bias
-    off = torch.ones_like(mean, dtype=torch.bool)
-    off[keep] = False
-    comp = (lin.weight.float()[:, off] @ mean[off]).to(lin.weight.dtype)
-    return comp if lin.bias is None else lin.bias + comp
-
-
-def prune_vo(attn: nn.Module, scores: torch.Tensor, H: int, d_v: int, mean_oin=None) -> None:
-    """Keep the d_v best-scored value neurons of every head (the same count in each); with `mean_oin` (o_proj's mean
-    input), FLAP's compensation becomes o_proj's bias."""
-    dh = scores.numel() // H
-    keep = torch.cat([h * dh + scores.view(H, dh)[h].topk(d_v).indices.sort().values for h in range(H)])
-    v, o = attn.v_proj, attn.o_proj
-    attn.v_proj = om.set_linear(v, v.weight[keep], None if v.bias is None else v.bias[keep])
-    attn.o_proj = om.set_linear(o, o.weight[:, keep], compensated_bias(o, keep, mean_oin))
-    attn.v_head_dim = d_v
-
-
-def ffn_scores(mlp: nn.Module, how: str, s_in, s_mid, g: torch.Generator, var_mid=None) -> torch.Tensor:
-    up, gate, down = mlp.up_proj.weight.float(), mlp.gate_proj.weight.float(), mlp.down_proj.weight.float()
-    if how == "flap":
-        return var_mid * down.pow(2).sum(0)
-    if how == "olica":
-        return (up * s_in.sqrt()).norm(dim=1) + (gate * s_in.sqrt()).norm(dim=1) + down.norm(dim=0) * s_mid.sqrt()
-    if how == "wanda":
-        return ((up.abs() + gate.abs()) * s_in.sqrt()).sum(1) + (down.abs() * s_mid.sqrt()).sum(0)
-    return torch.rand(up.shape[0], generator=g).to(up.device)
-
-
-def ffn_keep(scores: torch.Tensor, n_keep: int, protect: float = 0.01) -> torch.Tensor:
-    """Indices kept: ascending order, the lowest `protect` fraction kept (official quirk), the next ones pruned."""
-    order, F = scores.argsort(), scores.numel()
-    p = int(protect * F) if n_keep >= int(protect * F) else 0
-    pruned = order[p:p + F - n_keep]
-    mask = torch.ones(F, dtype=torch.bool, device=scores.device)
-    mask[pruned] = False
-    return mask.nonzero().squeeze(1)
 
 
 def mlp_predictability(X: torch.Tensor, Y: torch.Tensor, percdamp: float, n: int, seqlen: int) -> float:
@@ -330,24 +261,16 @@ def prune(model: nn.Module, calib: torch.Tensor, s: float, recipe: Recipe, cfg: 
             w = getattr(a, name).weight
             if recipe.qk == "random":
                 P = torch.linalg.qr(torch.randn(w.shape[1], plan.r_qk, generator=g))[0].to(w.device)
-                w1, w2 = P.T, w.float() @ P
+                setattr(a, name, ops.low_rank_linear(getattr(a, name), P.T, w.float() @ P))
             else:
                 w1, w2 = weighted_svd(w, s_vin if recipe.qk == "weighted" else None, plan.r_qk)
-            bias = getattr(a, name).bias  # a biased Q/K (`attention_bias`) keeps its bias after the rank-r product
-            lr = om.low_rank(w.shape[1], plan.r_qk, w.shape[0], bias is not None).to(w.device, w.dtype)
-            lr[0].weight.copy_(w1), lr[1].weight.copy_(w2)
-            if bias is not None:
-                lr[1].bias.copy_(bias)
-            setattr(a, name, lr)
-        prune_vo(a, vo_scores(a, recipe.vo, s_vin, s_oin, g, st["o"][1]), H, plan.d_v,
-                 st["o"][0] if recipe.compensate else None)
+                setattr(a, name, ops.low_rank_linear(getattr(a, name), w1, w2))
+        ops.prune_vo(a, ops.vo_scores(a, recipe.vo, s_vin, s_oin, g, st["o"][1]), H, plan.d_v,
+                     st["o"][0] if recipe.compensate else None)
         dense = copy.deepcopy(f)
-        keep = ffn_keep(ffn_scores(f, recipe.ffn, energy(X), energy(t["mid"][0]), g, st["mid"][1]), plan.d_ff,
-                        0.01 if recipe.ffn == "olica" else 0.0)
-        bias = compensated_bias(f.down_proj, keep, st["mid"][0] if recipe.compensate else None)
-        f.gate_proj, f.up_proj = (om.set_linear(m_, m_.weight[keep], None if m_.bias is None else m_.bias[keep])
-                                  for m_ in (f.gate_proj, f.up_proj))
-        f.down_proj, f.intermediate_size = om.set_linear(f.down_proj, f.down_proj.weight[:, keep], bias), len(keep)
+        scores_ffn = ops.ffn_scores(f, recipe.ffn, energy(X), energy(t["mid"][0]), g, st["mid"][1])
+        keep = ops.ffn_keep(scores_ffn, plan.d_ff, 0.01 if recipe.ffn == "olica" else 0.0)
+        ops.prune_ffn(f, keep, st["mid"][0] if recipe.compensate else None)
         if i in plan.lc_layers:
             W = ridge(X, dense(X) - f(X), cfg.percdamp, n, T)
             w1, w2, _ = lc_factors(X, dense(X) - f(X), W, plan.r_lc)

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from lab.compress import pruned_llama as om
-from lab.compress.olica import METHODS, Config, fast_ond, full_ond, prune, prune_vo, rotate, vo_scores
+from lab.compress.olica import METHODS, Config, fast_ond, full_ond, prune, rotate
 from lab.compress.olica_capture import block_inputs, energy, run_block, taps
+from lab.compress.olica_ops import prune_vo, vo_scores
 from lab.compress.pruned_llama import OlicaLlamaForCausalLM
 
 # ------------------------------------------------------------------------------------- measurements (toy)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lab.compress import olica as ol
+from lab.compress import olica_ops as ops
 from lab.compress import olica_study as ols
 from lab.compress import pruned_llama as om
 from lab.data.markov_induction import MarkovInduction
@@ -94,7 +95,7 @@ def test_biased_attention_rotates_exactly_and_prunes_keeping_its_biases(tmp_path
         return a.o_proj(P @ a.v_proj(x))
 
     before, before_2 = out(P), out(2 * P)
-    ol.fold_value_bias(a)
+    ops.fold_value_bias(a)
     torch.testing.assert_close(out(P), before)
     assert (out(2 * P) - before_2).abs().max() > 0.1  # rows summing to two: the fold is not exact, the test can fail
     assert a.v_proj.bias.abs().max() == 0
@@ -158,9 +159,9 @@ def test_sr_allocation_matches_the_official_rule():
 
 
 def test_ffn_keep_protects_the_lowest_percent_then_prunes():
-    keep = ol.ffn_keep(torch.arange(200.0), 150, 0.01)  # 1 % of 200 = 2 protected, the next 50 pruned
+    keep = ops.ffn_keep(torch.arange(200.0), 150, 0.01)  # 1 % of 200 = 2 protected, the next 50 pruned
     assert keep.tolist() == [0, 1] + list(range(52, 200))
-    assert ol.ffn_keep(torch.arange(10.0).flip(0), 7, 0.0).tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert ops.ffn_keep(torch.arange(10.0).flip(0), 7, 0.0).tolist() == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_every_head_keeps_the_same_value_count():
@@ -168,7 +169,7 @@ def test_every_head_keeps_the_same_value_count():
     a = m.model.layers[0].self_attn
     scores = torch.arange(32.0)[torch.randperm(32, generator=torch.Generator().manual_seed(0))]
     wv = a.v_proj.weight.clone()
-    ol.prune_vo(a, scores, 4, 3)
+    ops.prune_vo(a, scores, 4, 3)
     assert a.v_proj.weight.shape == (12, 32) and a.o_proj.weight.shape == (32, 12) and a.v_head_dim == 3
     for h in range(4):
         best = scores[h * 8:(h + 1) * 8].topk(3).indices.sort().values + h * 8
@@ -224,19 +225,19 @@ def test_flap_scores_and_bias_compensation_against_their_definitions(tmp_path):
     lin = torch.nn.Linear(6, 3, bias=False)
     x = torch.randn(40, 6, generator=g) * torch.arange(1.0, 7.0)
     mlp = type("M", (), {k: lin for k in ("up_proj", "gate_proj", "down_proj")})()
-    got = ol.ffn_scores(mlp, "flap", None, None, g, x.var(0))
+    got = ops.ffn_scores(mlp, "flap", None, None, g, x.var(0))
     for j in range(6):
         want = statistics.variance(x[:, j].tolist()) * sum(w * w for w in lin.weight[:, j].tolist())
         assert got[j].item() == pytest.approx(want, rel=1e-5)
     keep, mean = torch.tensor([0, 2, 5]), x.mean(0)
-    b = ol.compensated_bias(lin, keep, mean)
+    b = ops.compensated_bias(lin, keep, mean)
     xm = x.clone()
     xm[:, [1, 3, 4]] = mean[[1, 3, 4]]  # the pruned channels at their mean: the pruned layer is exact
     torch.testing.assert_close(xm[:, keep] @ lin.weight[:, keep].T + b, lin(xm), atol=1e-5, rtol=1e-5)
-    assert ol.compensated_bias(lin, keep, None) is None  # no compensation, no bias
+    assert ops.compensated_bias(lin, keep, None) is None  # no compensation, no bias
     lin_b = torch.nn.Linear(6, 3)
-    torch.testing.assert_close(ol.compensated_bias(lin_b, keep, mean),
-                               lin_b.bias + ol.compensated_bias(_no_bias(lin_b), keep, mean))
+    torch.testing.assert_close(ops.compensated_bias(lin_b, keep, mean),
+                               lin_b.bias + ops.compensated_bias(_no_bias(lin_b), keep, mean))
 
     m, ids = _tiny(), torch.randint(1, 50, (3, 16))
     cfg = ol.Config(mlp_num=1, lc_ratio=0.1)
