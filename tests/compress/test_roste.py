@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lab.compress import roste, roste_checkpoint
+from lab.compress import roste, roste_checkpoint, roste_theory
 from lab.compress import rotate as R
 from lab.compress.quant import fake_quant, pack, quant_codes, unpack
 
@@ -111,8 +111,8 @@ def test_digit_tasks():
 
 def test_theory_toy_rotation_helps_only_with_outliers():
     cfg = roste.Config(ls_steps=1500)
-    big_I, big_H = (roste.least_squares(cfg, 50.0, r, 0)["loss"] for r in (False, True))
-    small_I, small_H = (roste.least_squares(cfg, 1.0, r, 0)["loss"] for r in (False, True))
+    big_I, big_H = (roste_theory.least_squares(cfg, 50.0, r, 0)["loss"] for r in (False, True))
+    small_I, small_H = (roste_theory.least_squares(cfg, 1.0, r, 0)["loss"] for r in (False, True))
     assert big_I > 3 * big_H and 0.5 < small_I / small_H < 2
 
 
