@@ -10,11 +10,18 @@ causal LM: the entropy is that of the model's own k-token greedy continuation of
   entropy on *reliable* (E < E0, Eq. 3) and *non-redundant* (cosine filter against a moving average, Eqs. 4-5)
   inputs, weighted 1/exp(E − E0), plus the anti-forgetting Fisher regulariser α Σ F (θ − θ0)² (Eqs. 8-9); no
   backward pass on a skipped input, as the official code.
+- **COME** — Zhang, Bian, Kong, Zhao & Zhang, "COME: Test-time Adaption by Conservatively Minimizing Entropy",
+  ICLR 2025 (official code: `BlueWhaleLab/COME`, tent_come.py `dirichlet_entropy`): Tent with the softmax entropy
+  replaced by the entropy of an *opinion* — belief and an explicit uncertainty mass from a Dirichlet over the
+  prediction — whose minimum is not a one-hot (`opinion_entropy`). COME is a drop-in for Tent, EATA or SAR; the TLM
+  paper does not say on which it ran COME, so here it is Tent's loop (`tent_come.py`).
 
-`tent_objective` and `eata_objective` return an `Objective` for the loops of `lab.adapt.loop`.
+`tent_objective`, `eata_objective` and `come_objective` return an `Objective` for the loops of `lab.adapt.loop`.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -22,17 +29,18 @@ from torch import Tensor
 from lab.adapt.loop import Objective
 
 
-def continuation(model, input_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def continuation(model, input_ids: Tensor, k: int, raw: bool = False) -> tuple[Tensor, Tensor]:
     """The model's own k greedy continuation tokens (chosen without gradient) and the log-distributions that
-    chose them, with gradient: (tokens (B, k), log p (B, k, V)). The first k − 1 tokens are generated without
-    gradient; one forward with gradient over them gives all k distributions, and the k-th token is the argmax of
-    the last (the same greedy token, one forward fewer)."""
+    chose them, with gradient: (tokens (B, k), log p (B, k, V)); `raw=True` gives the logits instead of log p.
+    The first k − 1 tokens are generated without gradient; one forward with gradient over them gives all k
+    distributions, and the k-th token is the argmax of the last (the same greedy token, one forward fewer)."""
     with torch.no_grad():
         x = input_ids
         for _ in range(k - 1):
             x = torch.cat([x, model(input_ids=x).logits[:, -1:].argmax(-1)], 1)
-    logp = model(input_ids=x).logits[:, input_ids.shape[1] - 1:].float().log_softmax(-1)  # (B, k, V)
-    return torch.cat([x[:, input_ids.shape[1]:], logp[:, -1:].detach().argmax(-1)], 1), logp
+    logits = model(input_ids=x).logits[:, input_ids.shape[1] - 1:].float()  # (B, k, V)
+    logp = logits.log_softmax(-1)
+    return torch.cat([x[:, input_ids.shape[1]:], logp[:, -1:].detach().argmax(-1)], 1), logits if raw else logp
 
 
 def entropy_of_continuation(model, input_ids: Tensor, k: int) -> Tensor:
@@ -47,6 +55,26 @@ def tent_objective(k: int = 8) -> Objective:
     """Tent (Wang et al., ICLR 2021) as the TLM paper runs it on LLMs (Sec. 5): minimise the entropy of the
     model's own k-token greedy continuation, every input, weight 1."""
     return lambda model, x: (entropy_of_continuation(model, x, k).mean(), torch.tensor(True))
+
+
+def opinion_entropy(z: Tensor, K: int | None = None) -> Tensor:
+    """COME's entropy of opinion (official `dirichlet_entropy`) of logits z (…, K) -> (…): z is rescaled to its own
+    norm held constant (z/‖z‖ · sg(‖z‖): the value is z, but the gradient cannot grow the norm); evidence e = exp(z),
+    Dirichlet α = e + 1, S = Σ α = Σ e + K; belief b_k = e_k / S, uncertainty u = K / S; the entropy of
+    (b_1 … b_K, u) with 1e-7 added to each entry, as the official code. K is the class count (the official code
+    writes ImageNet's 1000); for an LM, the vocabulary. Computed in log space (logits of an LM overflow exp)."""
+    n = z.norm(dim=-1, keepdim=True)
+    z = z / n * n.detach()
+    K = z.shape[-1] if K is None else K
+    log_s = torch.logaddexp(z.logsumexp(-1, keepdim=True), torch.tensor(math.log(K), dtype=z.dtype))
+    q = torch.cat([z - log_s, math.log(K) - log_s], -1).exp() + 1e-7
+    return -(q * q.log()).sum(-1)
+
+
+def come_objective(k: int = 8) -> Objective:
+    """COME (Zhang et al., ICLR 2025) in Tent's loop: minimise the mean entropy of opinion over the model's own
+    k-token greedy continuation, every input, weight 1."""
+    return lambda model, x: (opinion_entropy(continuation(model, x, k, raw=True)[1]).mean(), torch.tensor(True))
 
 
 def fisher_information(model, inputs: list[Tensor], k: int) -> dict[str, tuple[Tensor, Tensor]]:

@@ -19,12 +19,13 @@ are truly skipped (`skip_unselected=True`), and the count of backward passes is 
 The offline and online loops (`adapt`, `adapt_online`) are `lab.adapt.loop`. Baselines (not in the official
 repository; the paper's Sec. 5 description), in `lab.adapt.entropy_tta`: Tent, the entropy of the model's own
 greedy continuation, and EATA (official `mr-eggplant/EATA`): that entropy on reliable (E < E0) and non-redundant
-(cosine filter against a moving average) inputs, weighted 1/exp(E − E0), plus its Fisher regulariser; both adapt
+(cosine filter against a moving average) inputs, weighted 1/exp(E − E0), plus its Fisher regulariser, and COME
+(official `BlueWhaleLab/COME`): Tent with the entropy of an opinion that keeps an uncertainty mass; all three adapt
 the same LoRA weights, and their backward passes are counted.
 
 The toy (`Config`, `build`, `run_arms`): a 2-layer Llama pre-trained on a source Markov domain and an unrelated
 retention domain (`lab.data.domains.RetentionDomains`) meets an unlabeled stream from a shifted target domain;
-each arm (TLM, TLM w/o SEL, Tent, EATA, full-parameter TLM, online TLM with and without SEL) adapts a fresh copy
+each arm (TLM, TLM w/o SEL, Tent, EATA, COME, full-parameter TLM, online TLM with and without SEL) adapts a fresh copy
 of the base model on the stream and is scored on the stream's answers, on held-out target questions and on the
 retention domain.
 """
@@ -39,7 +40,13 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from lab.adapt.entropy_tta import eata_objective, entropy_of_continuation, fisher_information, tent_objective
+from lab.adapt.entropy_tta import (
+    come_objective,
+    eata_objective,
+    entropy_of_continuation,
+    fisher_information,
+    tent_objective,
+)
 from lab.adapt.loop import AdaptLog, Objective, adapt, adapt_online
 from lab.core.stages import stage
 from lab.data.domains import MarkovDomains, RetentionDomains, answer_scores
@@ -110,7 +117,8 @@ def pool_scores(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
 
 CONTROLS = {"no_sel": "TLM and online TLM adapt on every input with weight 1 (TLM without the SEL score)",
             "no_adapt": "TLM and online TLM run at learning rate 0, i.e. they are the base model",
-            "entropy_as_ppl": "Tent and EATA minimise the input perplexity (TLM w/o SEL's loss) in their own loops",
+            "entropy_as_ppl": "Tent, EATA and COME minimise the input perplexity (TLM w/o SEL's loss) in their own "
+                              "loops",
             "source_inputs": "TLM and online TLM adapt on unlabeled source-domain inputs (as many, log P0 set on them "
                              "the same way) instead of the target stream; every score is still on the target"}
 
@@ -263,7 +271,7 @@ def base_ce(model) -> Callable[[Tensor], Tensor]:
 
 def arms(toy: Toy) -> dict[str, tuple[Callable[[object], Objective], bool, float]]:
     """The offline arms: name -> (objective of the adapted copy m, LoRA (else every weight), lr). Controls
-    substitute in TLM (`no_sel`, `no_adapt`, `source_inputs`) or in Tent and EATA (`entropy_as_ppl`) only."""
+    substitute in TLM (`no_sel`, `no_adapt`, `source_inputs`) or in Tent, EATA and COME (`entropy_as_ppl`) only."""
     cfg, th, base, k = toy.cfg, toy.adaptation_stream()[1], toy.base, toy.cfg.domains.answer
     e0 = cfg.eata_frac * math.log(len(cfg.domains.tokenizer))
     ppl = cfg.control == "entropy_as_ppl"
@@ -274,6 +282,7 @@ def arms(toy: Toy) -> dict[str, tuple[Callable[[object], Objective], bool, float
             "TLM w/o SEL": (lambda m: tlm_objective(sel=False), True, cfg.lr),
             "Tent": (lambda m: tlm_objective(sel=False) if ppl else tent_objective(k), True, cfg.lr),
             "EATA": (lambda m: tlm_objective(sel=False) if ppl else eata(m), True, cfg.lr),
+            "COME": (lambda m: tlm_objective(sel=False) if ppl else come_objective(k), True, cfg.lr),
             "TLM, full parameters": (lambda m: tlm_objective(threshold=th, lamb=cfg.lamb,
                                                              base_ce=lambda x: sample_ce(base, x).detach()),
                                      False, cfg.lr / cfg.full_lr_div)}
@@ -291,8 +300,9 @@ def run_online(toy: Toy, *, sel: bool, lr: float | None = None) -> dict:
     return {**toy.score(m, log), "stream": pool_scores(parts)}
 
 
-ARM_CONTROLS = {"TLM": ("no_sel", "no_adapt", "source_inputs"), "online TLM": ("no_sel", "no_adapt", "source_inputs"),
-                "Tent": ("entropy_as_ppl",), "EATA": ("entropy_as_ppl",)}  # where each control substitutes
+ENTROPY_ARMS = ("Tent", "EATA", "COME")  # the entropy-minimisation baselines
+ARM_CONTROLS = {"TLM": ("no_sel", "no_adapt", "source_inputs"),  # where each control substitutes
+                "online TLM": ("no_sel", "no_adapt", "source_inputs"), **{a: ("entropy_as_ppl",) for a in ENTROPY_ARMS}}
 
 
 def run_arms(toy: Toy) -> tuple[dict[str, dict], list[dict]]:
@@ -321,4 +331,4 @@ def run_arm(toy: Toy, name: str) -> tuple[dict, list[dict]]:
     probe = (lambda: perplexities(m, toy.held, device=toy.device)) if name == "TLM" else None
     inputs = toy.adaptation_stream()[0] if name == "TLM" else toy.inputs
     log = adapt(m, inputs, objective(m), lr=lr, probe=probe, every=cfg.probe_every if probe else 0)
-    return toy.score(m, log, entropy=name in ("Tent", "EATA")), log.checkpoints if name == "TLM" else []
+    return toy.score(m, log, entropy=name in ENTROPY_ARMS), log.checkpoints if name == "TLM" else []

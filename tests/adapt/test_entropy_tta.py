@@ -1,4 +1,4 @@
-"""Tent and EATA (`lab.adapt.entropy_tta`) against hand-computed references, on TLM's LoRA adapter."""
+"""Tent, EATA and COME (`lab.adapt.entropy_tta`) against hand-computed references, on TLM's LoRA adapter."""
 
 import math
 
@@ -82,3 +82,34 @@ def test_fisher_information_is_the_mean_squared_gradient_over_batches():
         torch.testing.assert_close(got[n][0], want[n], rtol=1e-4, atol=1e-10)
         assert torch.equal(got[n][1], params[n].detach())
     assert any(got[n][0].abs().sum() > 0 for n in params if "lora_A" in n)
+
+
+def test_opinion_entropy_is_the_official_formula_and_cannot_grow_the_logits():
+    z = torch.randn(3, 10, dtype=torch.float64) * 2
+    e = z.exp()  # the official `dirichlet_entropy`, written out with K = 1000 as in tent_come.py
+    s = e.sum(1, keepdim=True) + 1000
+    q = torch.cat([e / s, 1000 / s], 1) + 1e-7
+    torch.testing.assert_close(E.opinion_entropy(z, K=1000), -(q * q.log()).sum(1))
+    assert E.opinion_entropy(z).shape == (3,)  # K defaults to the class count (here 10)
+    big = torch.tensor([[200.0, 0.0, 0.0]])  # exp(200) overflows float32; in log space: belief ≈ one-hot, u ≈ 0
+    assert torch.isfinite(E.opinion_entropy(big)).all() and E.opinion_entropy(big).item() < 1e-4
+    z = z.clone().requires_grad_(True)
+    E.opinion_entropy(z).sum().backward()
+    torch.testing.assert_close((z.grad * z).sum(1), torch.zeros(3, dtype=torch.float64))  # no radial component
+    sharp = torch.tensor([[4.0, 0.0, 0.0]])  # the uncertainty mass u keeps it above the softmax entropy
+    assert E.opinion_entropy(sharp).item() > -(sharp.softmax(1) * sharp.log_softmax(1)).sum().item()
+
+
+def test_come_objective_on_the_greedy_continuation():
+    m = model()
+    x = torch.randint(V, (2, 6))
+    loss, sel = E.come_objective(3)(m, x)
+    with torch.no_grad():
+        seq = x
+        for _ in range(3):
+            seq = torch.cat([seq, m(input_ids=seq).logits[:, -1:].argmax(-1)], 1)
+        z = m(input_ids=seq).logits[:, 5:8].double()
+    want = E.opinion_entropy(z).mean()
+    assert sel and loss.item() == pytest.approx(want.item(), rel=1e-5)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
