@@ -9,8 +9,9 @@ tokens (log P, Eq. 2); the Sample Efficient Learning score S = λ·exp(CE₀ −
 the *base* model's CE₀ (adapters off), minimising S·CE as the official `compute_loss` (the paper's Eq. 5 reads
 S·P), unselected inputs skipped (no backward). The baselines that make sense on text run in the same loop, each on
 its own adapter of the same `PeftModel`: no adaptation (the adapters disabled), TLM without SEL (every input, weight
-1, Table 4) and Tent (the entropy of the model's own k-token greedy continuation, `lab.adapt.entropy_tta`; the
-paper's Tent reads 80 tokens). EATA (it needs a Fisher on in-distribution data) and online TLM are not run here.
+1, Table 4), Tent (the entropy of the model's own k-token greedy continuation, `lab.adapt.entropy_tta`; the
+paper's Tent reads 80 tokens) and COME (Tent's loop with the entropy of opinion). EATA (it needs a Fisher on
+in-distribution data) and online TLM are not run here.
 
 The loop (`adapt`) is `lab.adapt.loop.adapt` run through `accelerate.Accelerator` (mixed precision, device placement
 of the inputs, `accelerate launch` over several GPUs; with more than one process every input is back-propagated,
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 
 from lab.adapt import tlm
-from lab.adapt.entropy_tta import tent_objective
+from lab.adapt.entropy_tta import come_objective, tent_objective
 from lab.adapt.loop import AdaptLog, Objective
 from lab.align import hf_batch, hf_prefs
 from lab.core import progress
@@ -60,7 +61,7 @@ class Config:
     log_p0: float = 3.0  # SEL's threshold in nats (paper: 3); ≤ 0: the base-CE quantile that selects `select_frac`
     select_frac: float = 0.9
     lamb: float = 0.1  # SEL's λ
-    tent_tokens: int = 8  # Tent's continuation length k (paper: 80); 0 skips Tent
+    tent_tokens: int = 8  # Tent's and COME's continuation length k (paper: 80); 0 skips both
     max_len: int = 512  # tokens per templated input (its end kept, as `hf_batch.encode_prompt`)
     max_new_tokens: int = 64  # greedy answer length
     orig_blocks: int = 16  # forgetting: blocks of `orig_data`
@@ -253,14 +254,16 @@ def scores(model, tokenizer, held: list[dict], cfg: Config, orig: Tensor | None 
 
 # ------------------------------------------------------------------ the study
 
-ARMS = ("TLM", "TLM w/o SEL", "Tent")
+ARMS = ("TLM", "TLM w/o SEL", "Tent", "COME")
 
 
 def objective(model, name: str, cfg: Config, threshold: float) -> Objective:
     """Arm `name`'s objective on `model` (the `PeftModel` whose disabled adapters give TLM's base CE)."""
     if name == "TLM":
         return tlm.tlm_objective(threshold=threshold, lamb=cfg.lamb, base_ce=tlm.base_ce(model))
-    return tlm.tlm_objective(sel=False) if name == "TLM w/o SEL" else tent_objective(cfg.tent_tokens)
+    if name == "TLM w/o SEL":
+        return tlm.tlm_objective(sel=False)
+    return tent_objective(cfg.tent_tokens) if name == "Tent" else come_objective(cfg.tent_tokens)
 
 
 def orig_blocks(orig_data: str, tokenizer, cfg: Config) -> Tensor | None:
@@ -293,7 +296,7 @@ def study(model, tokenizer, rows: list[dict], cfg: Config, *, orig: Tensor | Non
     lora = hf_prefs.Config(lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.targets),
                            seed=cfg.seed)
     inputs = [torch.tensor([x]) for x in ids]
-    for name in ARMS[:3 if cfg.tent_tokens else 2]:
+    for name in ARMS if cfg.tent_tokens else ARMS[:2]:
         model = hf_prefs.add_adapter(model, lora, name)
         log = adapt(model, [x.to(dev) for x in inputs], objective(model, name, cfg, threshold), lr=cfg.lr,
                     mixed_precision=cfg.mixed_precision, quiet=quiet, desc=name)

@@ -190,10 +190,10 @@ def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_where_they
     toy = T.build(cfg, seed=0)
     torch.manual_seed(7)
     results, curve = T.run_arms(toy)
-    assert list(results) == ["TLM", "TLM w/o SEL", "Tent", "EATA", "TLM, full parameters", "online TLM",
+    assert list(results) == ["TLM", "TLM w/o SEL", "Tent", "EATA", "COME", "TLM, full parameters", "online TLM",
                              "online TLM w/o SEL"]
     assert results["TLM"]["selected"] == results["TLM"]["backward"] == 18  # selected by the base model's CE
-    assert results["TLM w/o SEL"]["backward"] == results["Tent"]["backward"] == 20
+    assert results["TLM w/o SEL"]["backward"] == results["Tent"]["backward"] == results["COME"]["backward"] == 20
     assert results["online TLM w/o SEL"]["backward"] == 20
     assert [c["step"] for c in curve] == [0, 4, 8, 12, 16, 20] and set(curve[0]) == {"step", "out_ppl", "in_ppl"}
     torch.manual_seed(7)  # TLM by hand: a LoRA copy, offline TLM with the base model's CE selecting
@@ -209,7 +209,8 @@ def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_where_they
     every, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="no_sel")))
     assert every["TLM"]["backward"] == every["online TLM"]["backward"] == cfg.n_stream
     ppl, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="entropy_as_ppl")))
-    assert ppl["Tent"]["backward"] == ppl["EATA"]["backward"] == cfg.n_stream
+    assert ppl["Tent"]["backward"] == ppl["EATA"]["backward"] == ppl["COME"]["backward"] == cfg.n_stream
+    assert ppl["COME"]["target"]["in_ppl"] != results["COME"]["target"]["in_ppl"]  # the PPL loss instead
 
 
 def test_source_inputs_control_adapts_tlm_on_source_inputs_and_still_answers_the_target_stream():
