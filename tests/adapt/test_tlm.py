@@ -7,6 +7,7 @@ import torch
 
 from lab.adapt import loop as L
 from lab.adapt import tlm as T
+from lab.adapt import tlm_study as TS
 from lab.models import tiny_llama
 from tests.adapt.tiny import V, model
 
@@ -83,7 +84,7 @@ def test_the_notebook_controls_substitutions():
 
 def small(**kw):
     """A toy small enough for a unit test (20 stream inputs: log P0 at the 0.1 quantile selects 18)."""
-    return T.Config(base=replace(T.Config.base, d_model=16, n_layers=1, n_heads=2, steps=20, batch_size=8),
+    return TS.Config(base=replace(TS.Config.base, d_model=16, n_layers=1, n_heads=2, steps=20, batch_size=8),
                     n_stream=20, n_held=6, n_retain=6, n_fisher=16, probe_every=4, chunk=4, **kw)
 
 
@@ -93,19 +94,19 @@ def test_config_sizes_knobs_and_controls():
     from lab.core.runner import declared_controls
     from lab.data.domains import RetentionDomains
 
-    smoke, full = T.Config.for_scale("smoke"), T.Config.for_scale("full")
+    smoke, full = TS.Config.for_scale("smoke"), TS.Config.for_scale("full")
     assert (smoke.n_stream, smoke.base.steps) == (250, 500) and (full.n_stream, full.base.steps) == (1000, 1500)
     assert replace(full.base, steps=500) == smoke.base  # full changes only the pre-training steps
     assert smoke.domains == RetentionDomains()
-    cfg = T.Config.for_scale("smoke", select_frac=0.5, lr=2e-3)
+    cfg = TS.Config.for_scale("smoke", select_frac=0.5, lr=2e-3)
     assert (cfg.select_frac, cfg.lr, cfg.tlm_lr, cfg.sel) == (0.5, 2e-3, 2e-3, True)
-    assert T.Config.for_scale("smoke", control="no_sel").sel is False
-    assert T.Config.for_scale("smoke", lr=2e-3, control="no_adapt").tlm_lr == 0.0
+    assert TS.Config.for_scale("smoke", control="no_sel").sel is False
+    assert TS.Config.for_scale("smoke", lr=2e-3, control="no_adapt").tlm_lr == 0.0
     with pytest.raises(ValueError, match="no_sel"):
-        T.Config.for_scale("smoke", control="no_lora")
+        TS.Config.for_scale("smoke", control="no_lora")
     assert smoke.base.build(len(smoke.domains.tokenizer)).config.vocab_size == len(smoke.domains.tokenizer)
     nb = Path(__file__).resolve().parents[2] / "notebooks" / "03_tlm.ipynb"
-    assert set(declared_controls(nb)) == set(T.CONTROLS)
+    assert set(declared_controls(nb)) == set(TS.CONTROLS)
 
 
 def test_base_keeps_the_cache_key_of_a_hand_built_pretraining():
@@ -114,7 +115,7 @@ def test_base_keeps_the_cache_key_of_a_hand_built_pretraining():
     from lab.models.train import cache_key
 
     for scale, steps in (("smoke", 500), ("full", 1500)):
-        cfg = T.Config.for_scale(scale)
+        cfg = TS.Config.for_scale(scale)
         V = len(cfg.domains.tokenizer)
         ref = tiny_llama(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_len=32)
         assert cache_key(cfg.base.build(V), cfg.domains, cfg.base.train_config(3)) == \
@@ -128,7 +129,7 @@ def test_evaluate_adds_the_questions_own_perplexity():
     torch.manual_seed(0)
     m = cfg.base.build(len(cfg.domains.tokenizer)).eval()
     data = cfg.domains.sample(3, "target", torch.Generator().manual_seed(0))
-    got = T.evaluate(m, data, generator=torch.Generator(), device="cpu")
+    got = TS.evaluate(m, data, generator=torch.Generator(), device="cpu")
     assert list(got) == ["acc", "rougeL", "out_ppl", "in_ppl"]
     assert {k: got[k] for k in ("acc", "rougeL", "out_ppl")} == answer_scores(m, data, generator=torch.Generator(),
                                                                               device="cpu")
@@ -139,13 +140,13 @@ def test_evaluate_adds_the_questions_own_perplexity():
                     for t in range(1, len(x))]
             ces.append(-sum(logp) / len(logp))
     assert got["in_ppl"] == pytest.approx(math.exp(sum(ces) / len(ces)), rel=1e-5)
-    cheap = T.perplexities(m, data, device="cpu")  # Obs. 1's probe: the same two numbers, no generation
+    cheap = TS.perplexities(m, data, device="cpu")  # Obs. 1's probe: the same two numbers, no generation
     assert cheap == pytest.approx({k: got[k] for k in ("out_ppl", "in_ppl")}, rel=1e-5)
 
 
 def test_build_sets_log_p0_from_select_frac_on_a_stream_of_questions_only():
     cfg = small()
-    toy = T.build(cfg, seed=0)
+    toy = TS.build(cfg, seed=0)
     assert len(toy.inputs) == cfg.n_stream and all(x.shape == (1, cfg.domains.passage + 3) for x in toy.inputs)
     assert cfg.domains.leaks(toy.inputs) == 0 and len(toy.held["answer"]) == cfg.n_held
     assert torch.equal(torch.cat(toy.inputs), toy.stream["input"]) and len(toy.stream["answer"]) == cfg.n_stream
@@ -167,9 +168,9 @@ def test_online_tlm_is_scored_on_its_own_stream_answers_each_given_before_traini
     from lab.data.domains import answer_scores
 
     cfg = small()
-    toy = T.build(cfg, seed=0)
+    toy = TS.build(cfg, seed=0)
     torch.manual_seed(3)
-    got = T.run_online(toy, sel=False, lr=3e-2)
+    got = TS.run_online(toy, sel=False, lr=3e-2)
     torch.manual_seed(3)
     m = toy.lora_copy()
     hits, nll, n = 0.0, 0.0, 0
@@ -187,28 +188,28 @@ def test_online_tlm_is_scored_on_its_own_stream_answers_each_given_before_traini
 
 def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_where_they_say():
     cfg = small()
-    toy = T.build(cfg, seed=0)
+    toy = TS.build(cfg, seed=0)
     torch.manual_seed(7)
-    results, curve = T.run_arms(toy)
+    results, curve = TS.run_arms(toy)
     assert list(results) == ["TLM", "TLM w/o SEL", "Tent", "EATA", "COME", "TLM, full parameters", "online TLM",
                              "online TLM w/o SEL"]
     assert results["TLM"]["selected"] == results["TLM"]["backward"] == 18  # selected by the base model's CE
     assert results["TLM w/o SEL"]["backward"] == results["Tent"]["backward"] == results["COME"]["backward"] == 20
     assert results["online TLM w/o SEL"]["backward"] == 20
     assert [c["step"] for c in curve] == [0, 4, 8, 12, 16, 20] and set(curve[0]) == {"step", "out_ppl", "in_ppl"}
-    torch.manual_seed(7)  # TLM by hand: a LoRA copy, offline TLM with the base model's CE selecting
+    torch.manual_seed(TS.arm_seed(toy, "TLM"))  # TLM by hand: a LoRA copy, the base model's CE selecting
     m = T.add_lora(copy.deepcopy(toy.base), targets=cfg.lora_targets)
     log = L.adapt(m, toy.inputs, T.tlm_objective(threshold=toy.threshold, base_ce=T.base_ce(m)), lr=cfg.lr)
     assert toy.score(m, log) == results["TLM"]
     with torch.no_grad():
         assert torch.equal(T.base_ce(m)(toy.inputs[0]), T.sample_ce(toy.base, toy.inputs[0]))
-    torch.manual_seed(7)
-    frozen, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="no_adapt")))
+    torch.manual_seed(7)  # every arm seeds itself: the random state before does not matter
+    frozen, _ = TS.run_arms(replace(toy, cfg=replace(cfg, control="no_adapt")))
     assert frozen["TLM"]["target"] == toy.score(toy.base)["target"] and frozen["Tent"] == results["Tent"]
     assert frozen["online TLM"]["stream"] == pytest.approx(toy.score(toy.base)["stream"])
-    every, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="no_sel")))
+    every, _ = TS.run_arms(replace(toy, cfg=replace(cfg, control="no_sel")))
     assert every["TLM"]["backward"] == every["online TLM"]["backward"] == cfg.n_stream
-    ppl, _ = T.run_arms(replace(toy, cfg=replace(cfg, control="entropy_as_ppl")))
+    ppl, _ = TS.run_arms(replace(toy, cfg=replace(cfg, control="entropy_as_ppl")))
     assert ppl["Tent"]["backward"] == ppl["EATA"]["backward"] == ppl["COME"]["backward"] == cfg.n_stream
     assert ppl["COME"]["target"]["in_ppl"] != results["COME"]["target"]["in_ppl"]  # the PPL loss instead
 
@@ -220,7 +221,7 @@ def test_source_inputs_control_adapts_tlm_on_source_inputs_and_still_answers_the
     from lab.data.domains import answer_scores
 
     cfg = small(control="source_inputs")
-    toy = T.build(cfg, seed=0)
+    toy = TS.build(cfg, seed=0)
     assert len(toy.source_inputs) == cfg.n_stream and cfg.domains.leaks(toy.source_inputs) == 0
     src = torch.cat(toy.source_inputs)
     assert not torch.equal(src, torch.cat(toy.inputs))
@@ -229,7 +230,7 @@ def test_source_inputs_control_adapts_tlm_on_source_inputs_and_still_answers_the
     assert int((ce > toy.source_threshold).sum()) == 18 and toy.adaptation_stream()[0] is toy.source_inputs
     assert replace(toy, cfg=replace(cfg, control="")).adaptation_stream() == (toy.inputs, toy.threshold)
     torch.manual_seed(3)
-    got = T.run_online(toy, sel=False, lr=3e-2)
+    got = TS.run_online(toy, sel=False, lr=3e-2)
     torch.manual_seed(3)
     m = toy.lora_copy()
     nll, n = 0.0, 0
@@ -240,9 +241,8 @@ def test_source_inputs_control_adapts_tlm_on_source_inputs_and_still_answers_the
         L.adapt(m, toy.source_inputs[start:start + cfg.chunk], T.tlm_objective(sel=False), lr=3e-2,
                 schedule="constant")
     assert got["stream"]["out_ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
-    torch.manual_seed(7)
-    results, _ = T.run_arms(toy)
-    torch.manual_seed(7)
+    results, _ = TS.run_arms(toy)
+    torch.manual_seed(TS.arm_seed(toy, "TLM"))
     m = T.add_lora(copy.deepcopy(toy.base), targets=cfg.lora_targets)
     log = L.adapt(m, toy.source_inputs, T.tlm_objective(threshold=toy.source_threshold, base_ce=T.base_ce(m)),
                   lr=cfg.lr)
