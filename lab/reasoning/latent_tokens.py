@@ -36,6 +36,7 @@ from vector_quantize_pytorch import VectorQuantize
 from lab.core.stages import stage
 from lab.data.automaton import STEP_LEN, Automaton
 from lab.models.spec import TinyLM
+from lab.reasoning.icot import ICoTTask
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Config:
     latent_steps: int = 800
     latent_batch: int = 16
     sol_steps: int = 150  # Sol-Only is at chance however long it trains (28 % after 1000 steps on seeds 0 and 7)
+    icot_steps: int = 400  # iCoT: C deleted from the left over the first 3/4 (`lab.reasoning.icot`), then P ⊕ S
     n_eval: int = 500
     forced_frac: float = 0.75  # forced-m decoding: k = ⌈forced_frac · n⌉ chunks (m = kL)
     shuffled: bool = False  # control: latent tokens replaced by random codebook ids in training
@@ -67,6 +69,7 @@ class Config:
     def for_scale(cls, scale: str = "smoke", control: str = "") -> Config:
         cfg = cls() if scale == "smoke" else cls(task=Automaton(n_states=5, n_actions=6, n_steps=8), vq_steps=1500,
                                                  n_eval=2000, latent_steps=3000, latent_batch=32, sol_steps=3000,
+                                                 icot_steps=3000,
                                                  lm=replace(cls.lm, d_model=128, n_layers=3, d_ff=256, steps=3000))
         if control == "shuffled_codes":
             cfg = replace(cfg, shuffled=True)
@@ -81,8 +84,8 @@ class Config:
     def vq_only(self) -> Config:
         """This config with the fields the VQ-VAE does not read at their defaults: what keys its stage cache, so a
         control that changes only the LM (`shuffled_codes`) reuses the trained VQ-VAE."""
-        return replace(self, lm=Config.lm, latent_steps=0, latent_batch=0, sol_steps=0, n_eval=0, forced_frac=0.0,
-                       shuffled=False)
+        return replace(self, lm=Config.lm, latent_steps=0, latent_batch=0, sol_steps=0, icot_steps=0, n_eval=0,
+                       forced_frac=0.0, shuffled=False)
 
 
 @dataclass(frozen=True)
@@ -299,10 +302,13 @@ def extend_vocab(model, n_new: int, tokenizer=None, names=None):
 
 
 def train_lm(cfg: Config, mode: str, seed: int, *, codes: tuple[int, ...] = (), device: str = "cpu"):
-    """One LM from scratch through the cached trainer (`TinyLM.fit`), as the paper's Table 4.1 models: Sol-Only and
-    CoT on the text vocabulary, Latent on the vocabulary extended by the two delimiters and K latent tokens (the
-    extension of a pretrained model is `extend_vocab`)."""
+    """One LM from scratch through the cached trainer (`TinyLM.fit`), as the paper's Table 4.1 models: Sol-Only, CoT
+    and iCoT (`lab.reasoning.icot`) on the text vocabulary, Latent on the vocabulary extended by the two delimiters
+    and K latent tokens (the extension of a pretrained model is `extend_vocab`)."""
     vocab, task = vocab_of(cfg), TraceTask.of(cfg, mode, codes)
+    if mode == "icot":  # a fresh task: it counts the trainer's steps
+        task = ICoTTask(cfg.task, cfg.icot_steps, pad=vocab.pad)
+        return replace(cfg.lm, steps=cfg.icot_steps).fit(task, vocab.n_text, seed=seed, device=device)
     if mode == "latent":
         lm, n_vocab = replace(cfg.lm, steps=cfg.latent_steps, batch_size=cfg.latent_batch), vocab.size
     elif mode == "pause":

@@ -97,20 +97,21 @@ def _prefix(P: torch.Tensor, z: torch.Tensor, v: lt.Vocab) -> torch.Tensor:
 
 
 def toy_study(cfg: lt.Config, seed: int, device: str = "cpu") -> dict:
-    """VQ-VAE, the four LMs (Sol-Only, CoT, Pause, Latent) and every evaluation on `cfg.n_eval` held-out problems. The
-    VQ-VAE and every decoding are stage-cached and the LMs come from the trained-model cache, so a control
+    """VQ-VAE, the five LMs (Sol-Only, CoT, iCoT, Pause, Latent) and every evaluation on `cfg.n_eval` held-out
+    problems. The VQ-VAE and every decoding are stage-cached and the LMs come from the trained-model cache, so a control
     recomputes only what it changes (`shuffled_codes`: the latent LM; `no_compression`: the VQ-VAE and the latent
     LM) and the evaluations of those."""
     task, v = cfg.task, lt.vocab_of(cfg)
     vq, vq_losses = lt.train_vqvae(cfg, seed)
     table = lt.code_table(vq, cfg)  # (n_steps, n_states, L/r)
     codes = tuple(table.flatten().tolist())
-    runs = {m: lt.train_lm(cfg, m, seed, codes=codes, device=device) for m in ("sol", "cot", "pause", "latent")}
+    runs = {m: lt.train_lm(cfg, m, seed, codes=codes, device=device) for m in ("sol", "cot", "icot", "pause", "latent")}
     ex = task.sample(cfg.n_eval, torch.Generator().manual_seed(20_000 + seed))
     P, C, S = task.encode(ex)
     answer, budget = task.state_id(ex["states"][:, -1]), C.shape[1] + S.shape[1] + 6
     gen = {"Sol-Only": greedy(runs["sol"].model, P, v, latent=False, max_new=budget),
            "CoT": greedy(runs["cot"].model, P, v, latent=False, max_new=budget),
+           "iCoT": greedy(runs["icot"].model, P, v, latent=False, max_new=budget),
            "Latent-AR": greedy(runs["latent"].model, P, v, latent=True, max_new=budget)}
     pauses = torch.full_like(C, v.bol)  # Pause reads as many <pause> positions as CoT writes trace tokens
     gen["Pause"] = greedy(runs["pause"].model, torch.cat([P, pauses], 1), v, latent=False, max_new=budget)
