@@ -26,13 +26,14 @@ containing it that end wrong — beside the problem's wrong share and the same f
 
 **cDPO** (§3.2, Eq. 6; `train_arm`). Pairs (most frequent correct, most frequent wrong trajectory) where a problem has
 both; the rejected side weighted token by token by 1 − s_t (`lab.align.cdpo.cdpo_loss`, the paper's sequence sums),
-and DPO as the same loop with every s_t = 0 (Eq. 6 is then DPO), and TokenDPO (TDPO2, `lab.align.losses.tdpo`,
-β = γ; from the policy, as DPO and cDPO, where the paper starts it from SFT), each a LoRA arm on the same `PeftModel`
+and DPO as the same loop with every s_t = 0 (Eq. 6 is then DPO), RPO (DPO + the chosen response's NLL per token,
+`lab.align.losses.rpo`), and TokenDPO (TDPO2, `lab.align.losses.tdpo`, β = γ; from the policy, as DPO and cDPO,
+where the paper starts it from SFT), each a LoRA arm on the same `PeftModel`
 (π_ref: its adapters off) on the same token ids. `hf_prefs.evaluate` compares them and P_p (the SFT row of Table 3)
 on the held-out problems' pairs, with the sampled accuracy on those problems.
 
 Not built: the rollouts of §2 (K samples per prefix: the ground truth CE approximates), greedy accuracy with
-few-shot CoT prompts, stop strings for base models, the RPO arm. Measurements only.
+few-shot CoT prompts, stop strings for base models. Measurements only.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from torch import Tensor
 
 from lab.align import cdpo as C
 from lab.align import hf_batch, hf_prefs
+from lab.align.losses import rpo
 from lab.align.train import preference_loss, token_logprobs
 from lab.core.params import ParamError
 from lab.data.answers import answer_of, reference_answer
@@ -247,6 +249,18 @@ def cdpo_batch_loss(policy, reference, batch: dict[str, Tensor], *, gamma: float
     return C.cdpo_loss(pi[:, 0], ref[:, 0], pi[:, 1], ref[:, 1], batch["s"], gamma=gamma).mean()
 
 
+def rpo_batch_loss(policy, reference, batch: dict[str, Tensor], *, beta: float) -> Tensor:
+    """Mean RPO loss of a `pair_batch` (the paper's RPO arm, `lab.align.losses.rpo`): DPO on the responses' summed
+    log-ratios + the chosen response's NLL per token (weight 1, as the toy's arm)."""
+    B, n, T = batch["input_ids"].shape
+    ids, att = (batch[k].reshape(B * n, T) for k in ("input_ids", "attention_mask"))
+    m = batch["response_mask"].reshape(B * n, T)[:, 1:]
+    pi = (token_logprobs(policy, ids, att)[0] * m).view(B, n, T - 1).sum(-1)
+    with torch.no_grad():
+        ref = (token_logprobs(reference, ids, att)[0] * m).view(B, n, T - 1).sum(-1)
+    return rpo(pi, ref, beta=beta, chosen_len=m.view(B, n, T - 1)[:, 0].sum(-1)).mean()
+
+
 def pairs(tr: Trajectories, sel: list[dict], scores: dict, problems: range) -> list[dict]:
     """(most frequent correct, most frequent wrong) of each problem in `problems` that has both, with s of y_l."""
     keep = [(q, sel[q]["pos"], sel[q]["neg"][0]) for q in problems if sel[q]["pos"] is not None and sel[q]["neg"]]
@@ -254,17 +268,20 @@ def pairs(tr: Trajectories, sel: list[dict], scores: dict, problems: range) -> l
             for q, w, l in keep]
 
 
-ARMS = ("dpo", "tokendpo", "cdpo")
+ARMS = ("dpo", "rpo", "tokendpo", "cdpo")
 
 
 def train_arm(model, rows: list[dict], cfg: hf_prefs.Config, name: str, *, pad: int = 0,
               quiet: bool | None = None):
-    """Arm `name` of `ARMS` as a LoRA adapter, γ = `cfg.beta`: cdpo (Eq. 6), dpo (Eq. 6 with every s_t = 0) or
-    tokendpo (TDPO2 on the same padded pairs, `lab.align.train.preference_loss`): (PeftModel, per-step losses)."""
+    """Arm `name` of `ARMS` as a LoRA adapter, γ = `cfg.beta`: cdpo (Eq. 6), dpo (Eq. 6 with every s_t = 0), rpo
+    (`rpo_batch_loss`) or tokendpo (TDPO2 on the same padded pairs, `lab.align.train.preference_loss`): (PeftModel,
+    per-step losses)."""
     if name not in ARMS:
         raise ValueError(f"arm {name!r} is not one of {ARMS}.")
     if name == "tokendpo":
         loss = lambda policy, m, b: preference_loss(policy, hf_prefs.DisabledAdapter(m), b, "tdpo", beta=cfg.beta)
+    elif name == "rpo":
+        loss = lambda policy, m, b: rpo_batch_loss(policy, hf_prefs.DisabledAdapter(m), b, beta=cfg.beta)
     else:
         rows = rows if name == "cdpo" else [r | {"s": torch.zeros_like(r["s"])} for r in rows]
         loss = lambda policy, m, b: cdpo_batch_loss(policy, hf_prefs.DisabledAdapter(m), b, gamma=cfg.beta)

@@ -152,7 +152,28 @@ def test_tokendpo_arm_is_tdpo2_on_the_pairs_by_hand(tok):
     assert got.item() == pytest.approx(torch.stack(want).mean().item(), abs=1e-5)
     assert got.item() != pytest.approx(CC.cdpo_batch_loss(policy, ref, CC.pair_batch(rows), gamma=0.5).item(), abs=1e-4)
     with pytest.raises(ValueError, match="not one of"):
-        CC.train_arm(model, rows, hp.Config(), "rpo")
+        CC.train_arm(model, rows, hp.Config(), "ipo")
+
+
+def test_rpo_arm_is_dpo_plus_the_chosen_nll_per_token_by_hand(tok):
+    model = two_adapters(tok)
+    rows = [{"chosen": ([2, 14], [5, 3]), "rejected": ([2, 14], [6, 7, 3]), "s": torch.tensor([0.1, 0.9, 0.5])},
+            {"chosen": ([15], [4, 4, 3]), "rejected": ([15], [8]), "s": torch.tensor([0.3])}]
+    policy, ref = hp.use(model, "P_p"), hp.DisabledAdapter(model)
+
+    def seq(m, p, y):  # naive summed log-prob of y after p
+        with torch.no_grad():
+            logp = m(input_ids=torch.tensor([p + y])).logits[0].log_softmax(-1)
+        return sum(logp[len(p) - 1 + t, y[t]] for t in range(len(y)))
+
+    want = []
+    for r in rows:
+        h = [seq(policy, *r[k]) - seq(ref, *r[k]) for k in ("chosen", "rejected")]
+        nll = -seq(policy, *r["chosen"]) / len(r["chosen"][1])
+        want.append(-torch.nn.functional.logsigmoid(0.5 * (h[0] - h[1])) + nll)
+    with torch.no_grad():
+        got = CC.rpo_batch_loss(policy, ref, CC.pair_batch(rows), beta=0.5)
+    assert got.item() == pytest.approx(torch.stack(want).mean().item(), abs=1e-5)
 
 
 def test_critical_table_hand_computed(tok):
@@ -189,5 +210,5 @@ def test_notebook_on_a_saved_policy_and_problems_is_measured(tmp_path, tok):
     table = ck["critical tokens per problem"]
     assert len(table) == ck["critical tokens"]["problems with a wrong trajectory"] > 0
     assert all(0 <= c["wrong share when present"] <= 1 for r in table for c in r["critical tokens"])
-    assert set(ck["arms"]) == {"reference", "P_p", "dpo", "tokendpo", "cdpo"}
+    assert set(ck["arms"]) == {"reference", "P_p", "dpo", "rpo", "tokendpo", "cdpo"}
     assert all(0 <= m["sampled accuracy"] <= 1 for m in ck["arms"].values())
