@@ -4,6 +4,7 @@ only prompts, and notebook 13 run end to end on a tiny saved policy and pool."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -58,6 +59,33 @@ def test_pool_rows_reads_a_pool_or_samples_and_scores_one(tmp_path):
     assert torch.allclose(again, torch.tensor([r["rewards"] for r in got], dtype=torch.float64))
 
 
+def test_chosen_scores_are_the_chosen_responses_mean_nll_with_and_without_the_prompt():
+    from lab.models.tokenizer import word_tokenizer
+    from lab.models.zoo import tiny_llama
+
+    tok = word_tokenizer(WORDS)
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=len(tok), d_model=32, n_layers=2, n_heads=4).eval()
+    rows = [{"prompt": "the cat", "responses": ["sat on the mat", "the mat ran"], "rewards": [1.0, 0.0]},
+            {"prompt": "a dog ran fast", "responses": ["bad", "good dog"], "rewards": [0.0, 2.0]}]
+    pool = rc.pool_of(rows)
+    got = rc.chosen_scores(m, tok, rows, pool, batch_size=1)
+
+    def nll(ctx, y):  # naive: mean −log p of y's tokens after ctx
+        with torch.no_grad():
+            logp = m(input_ids=torch.tensor([ctx + y])).logits[0].log_softmax(-1)
+        return -sum(logp[len(ctx) - 1 + t, y[t]] for t in range(len(y))).item() / len(y)
+
+    for i, (row, w) in enumerate(zip(rows, pool.w.tolist())):
+        p = tok(row["prompt"])["input_ids"]
+        y = tok(row["responses"][w], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        with_q, alone = nll(p, y), nll([tok.bos_token_id], y)
+        assert got["s(A|Q)"][i].item() == pytest.approx(with_q, rel=1e-4)
+        assert got["IFD"][i].item() == pytest.approx(with_q / alone, rel=1e-4)
+        assert got["ppl"][i].item() == pytest.approx(math.exp(with_q), rel=1e-4)
+    assert got["overlap"].tolist() == pytest.approx([2 / 5, 0.0])  # {the, mat} of {sat, on, the, mat, ran}; "good dog" vs "bad"
+
+
 @pytest.mark.notebook
 @pytest.mark.timeout(300)
 def test_notebook_on_a_saved_policy_and_pool_is_measured(tmp_path):
@@ -82,7 +110,9 @@ def test_notebook_on_a_saved_policy_and_pool_is_measured(tmp_path):
     rec = json.loads((tmp_path / "out" / "13_rip.json").read_text())
     assert rec["status"] == "measured" and rec["claims"] == []
     ck = rec["metrics"]["checkpoint"]
-    assert set(ck["arms"]) == {"reference", "full", "RIP", "random"}
+    assert set(ck["arms"]) == {"reference", "full", "RIP", "random", "IFD", "ppl", "overlap"}
     assert ck["kept"]["RIP"] == ck["kept"]["random"] < ck["kept"]["full"] <= 18
+    n = ck["kept"]["full"]  # 25–100 %: the ranks at or above the linear 25 % quantile, (n − 1)/4
+    assert ck["kept"]["IFD"] == ck["kept"]["ppl"] == n - math.ceil((n - 1) / 4)
     kept, dropped = ck["mean metrics, kept vs dropped"]["rejected reward"].values()
     assert kept >= dropped  # RIP keeps the pairs whose rejected response scores high
