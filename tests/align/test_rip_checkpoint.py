@@ -83,7 +83,8 @@ def test_chosen_scores_are_the_chosen_responses_mean_nll_with_and_without_the_pr
         assert got["s(A|Q)"][i].item() == pytest.approx(with_q, rel=1e-4)
         assert got["IFD"][i].item() == pytest.approx(with_q / alone, rel=1e-4)
         assert got["ppl"][i].item() == pytest.approx(math.exp(with_q), rel=1e-4)
-    assert got["overlap"].tolist() == pytest.approx([2 / 5, 0.0])  # {the, mat} of {sat, on, the, mat, ran}; "good dog" vs "bad"
+    # {the, mat} of {sat, on, the, mat, ran}; "good dog" vs "bad"
+    assert got["overlap"].tolist() == pytest.approx([2 / 5, 0.0])
 
 
 @pytest.mark.notebook
