@@ -90,6 +90,37 @@ class Config:
 
 # ------------------------------------------------------------------ rows
 
+def preference_rows(data: str, *, n: int, seed: int = 0, ranked: bool = False, policy=None, tokenizer=None,
+                    reward_model=None, rm_tokenizer=None, N: int = 8, max_new_tokens: int = 64) -> list[dict]:
+    """Rows of `data` for the checkpoint paths: ranked responses `{prompt, responses, rewards}` (best first) when it
+    has them, pairs `{prompt, chosen, rejected}` when it has those (unless `ranked`), else an on-policy pool: N
+    responses per prompt sampled from `policy` at temperature 1 and scored by `reward_model` (which must then be
+    given), ranked best first (a stable sort: equal rewards keep the sampling order) — the paper's own data of HPS and
+    RIP (K samples of the policy scored by a reward model)."""
+    from lab.align import infalign_checkpoint as ic
+    from lab.core.params import ParamError
+    from lab.data import load
+    from lab.data.text import load_texts
+
+    cols = set(load.load_dataset(data).column_names)
+    if {"responses", "rewards"} <= cols:
+        return load.ranked_responses(data, n=n, seed=seed)
+    if not ranked and {"chosen", "rejected"} <= cols:
+        return load.preference_pairs(data, n=n, seed=seed)
+    if reward_model is None:
+        want = "'responses'/'rewards'" + ("" if ranked else " or 'chosen'/'rejected'")
+        raise ParamError(f"data={data!r} has no {want} columns (it has {', '.join(sorted(cols))}); pass -p "
+                         "reward_model <folder or hub id> to sample and score responses to its prompts.")
+    prompts = load_texts(data, column="prompt", n=n, seed=seed)
+    responses = ic.sample(policy, tokenizer, prompts, N, max_new_tokens=max_new_tokens, seed=seed)
+    rewards = ic.score(reward_model, rm_tokenizer, prompts, responses)
+    rows = []
+    for p, rs, r in zip(prompts, responses, rewards.tolist()):
+        order = sorted(range(len(rs)), key=lambda i: -r[i])
+        rows.append({"prompt": p, "responses": [rs[i] for i in order], "rewards": [r[i] for i in order]})
+    return rows
+
+
 def max_min_pairs(rows: list[dict]) -> list[dict]:
     """Ranked rows as (best, lowest-reward) pairs, RLHFlow's default for DPO; pairs are returned unchanged."""
     return [r if "chosen" in r else {"prompt": r["prompt"], "chosen": r["responses"][0], "rejected": r["responses"][-1]}

@@ -13,9 +13,8 @@ reference and, given the reward model, its win rate. Beside them, the paper's ch
 policy (Table 2): IFD = s(A|Q)/s(A) and ppl(chosen) = exp s(A|Q) of the chosen response under the policy (s: its
 mean NLL per token, after the prompt or after BOS alone), each keeping the valid pairs in its 25–100 percentile
 range, and the chosen–rejected token overlap at q (`chosen_scores`, as `rip.cheap_filters` on the toy). Measurements
-only. Rows from `ranked_responses` come sorted
-best first, so ties between equal rewards break by that order rather than by generation order (`rip.best_vs_worst`'s
-rule on the toy).
+only. Rows come sorted best first (a sampled pool by a stable sort), so ties between equal rewards break by that
+order rather than by generation order (`rip.best_vs_worst`'s rule on the toy).
 """
 
 from __future__ import annotations
@@ -33,22 +32,10 @@ from lab.core.params import ParamError
 def pool_rows(data: str, *, n: int, seed: int = 0, policy=None, tokenizer=None, reward_model=None, rm_tokenizer=None,
               N: int = 8, max_new_tokens: int = 64) -> list[dict]:
     """`{prompt, responses, rewards}` rows: from `data` when it has responses and rewards, else sampled from the
-    policy and scored by the reward model (which must then be given)."""
-    from lab.align import infalign_checkpoint as ic
-    from lab.data import load
-
-    cols = load.load_dataset(data).column_names
-    if {"responses", "rewards"} <= set(cols):
-        return load.ranked_responses(data, n=n, seed=seed)
-    if reward_model is None:
-        raise ParamError(f"data={data!r} has no 'responses'/'rewards' columns (it has {', '.join(cols)}); pass "
-                         "-p reward_model <folder or hub id> to sample and score a pool from its prompts.")
-    from lab.data.text import load_texts
-
-    prompts = load_texts(data, column="prompt", n=n, seed=seed)
-    responses = ic.sample(policy, tokenizer, prompts, N, max_new_tokens=max_new_tokens, seed=seed)
-    rewards = ic.score(reward_model, rm_tokenizer, prompts, responses)
-    return [{"prompt": p, "responses": rs, "rewards": r.tolist()} for p, rs, r in zip(prompts, responses, rewards)]
+    policy and scored by the reward model (which must then be given; `hf_prefs.preference_rows`)."""
+    return hf_prefs.preference_rows(data, n=n, seed=seed, ranked=True, policy=policy, tokenizer=tokenizer,
+                                    reward_model=reward_model, rm_tokenizer=rm_tokenizer, N=N,
+                                    max_new_tokens=max_new_tokens)
 
 
 def pool_of(rows: list[dict]) -> R.Pool:

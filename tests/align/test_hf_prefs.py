@@ -202,3 +202,49 @@ def test_max_min_pairs():
     rows = [{"prompt": "p", "responses": ["a", "b", "c"], "rewards": [3.0, 2.0, 1.0]},
             {"prompt": "q", "chosen": "x", "rejected": "y"}]
     assert hp.max_min_pairs(rows) == [{"prompt": "p", "chosen": "a", "rejected": "c"}, rows[1]]
+
+
+def test_preference_rows_read_ranked_rows_or_pairs_or_sample_and_score_a_pool(tmp_path):
+    """Ranked rows and pairs are read as `lab.data.load` reads them; prompts alone need a reward model, and then K
+    responses per prompt are sampled from the policy, scored and ranked best first."""
+    from lab.align.infalign_checkpoint import score
+    from lab.core.params import ParamError
+    from lab.models import load_model
+
+    from .test_infalign_checkpoint import WORDS, _save_models
+
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}))
+    assert hp.preference_rows(str(tmp_path / "pairs.jsonl"), n=1) == [{"prompt": "p", "chosen": "a", "rejected": "b"}]
+    with pytest.raises(ParamError, match="no 'responses'/'rewards' columns"):
+        hp.preference_rows(str(tmp_path / "pairs.jsonl"), n=1, ranked=True)
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": w}) for w in WORDS[:3]))
+    with pytest.raises(ParamError, match="or 'chosen'/'rejected'"):
+        hp.preference_rows(str(tmp_path / "prompts.jsonl"), n=3)
+    _save_models(tmp_path)
+    policy, tok = load_model(str(tmp_path / "policy"))
+    rm, rm_tok = load_reward_model(str(tmp_path / "rm"))
+    rows = hp.preference_rows(str(tmp_path / "prompts.jsonl"), n=3, policy=policy, tokenizer=tok, reward_model=rm,
+                              rm_tokenizer=rm_tok, N=4, max_new_tokens=3)
+    assert len(rows) == 3 and all(len(r["responses"]) == len(r["rewards"]) == 4 for r in rows)
+    assert all(r["rewards"] == sorted(r["rewards"], reverse=True) for r in rows)  # best first
+    again = score(rm, rm_tok, [r["prompt"] for r in rows], [r["responses"] for r in rows])
+    assert torch.allclose(again, torch.tensor([r["rewards"] for r in rows], dtype=torch.float64))
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(300)
+def test_hps_checkpoint_samples_its_own_ranked_responses_from_prompts(tmp_path):
+    """11 on a prompts-only file with a reward model: K = 4 responses per prompt sampled and scored, then both arms."""
+    from ..conftest import run_lab
+    from .test_infalign_checkpoint import WORDS, _save_models
+
+    _save_models(tmp_path)
+    prompts = [" ".join(WORDS[(i + k) % len(WORDS)] for k in range(3)) for i in range(12)]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in prompts))
+    proc = run_lab("run", "11_hps", "-p", "model", str(tmp_path / "policy"), "-p", "data",
+                   str(tmp_path / "prompts.jsonl"), "-p", "reward_model", str(tmp_path / "rm"), "-p", "n_rows", "12",
+                   "-p", "held_out", "4", "-p", "max_len", "32", "-p", "steps", "4", "--out", str(tmp_path / "out"),
+                   "--no-page")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out" / "11_hps.json").read_text())["metrics"]["checkpoint"]
+    assert set(metrics) == {"reference", "HPS", "DPO"} and "win rate" in " ".join(metrics["HPS"])
