@@ -35,28 +35,17 @@ def test_pool_is_best_vs_worst_with_character_lengths():
         rc.pool_of([rows_()[0], {**rows_()[1], "responses": ["a"], "rewards": [1.0]}])
 
 
-def test_pool_rows_reads_a_pool_or_samples_and_scores_one(tmp_path):
-    from lab.align.infalign_checkpoint import score
-    from lab.models import load_reward_model
-
-    from .test_infalign_checkpoint import _save_models
-
+def test_pool_rows_reads_a_ranked_pool_and_refuses_pairs_or_bare_prompts(tmp_path):
+    """A ranked pool is read best first; pairs or prompts without a reward model are refused (sampling and scoring a
+    pool is `hf_prefs.preference_rows`, tested in tests/align/test_hf_prefs.py)."""
     (tmp_path / "pool.jsonl").write_text("\n".join(json.dumps(r) for r in rows_()))
     got = rc.pool_rows(str(tmp_path / "pool.jsonl"), n=2)
     assert sorted(r["prompt"] for r in got) == ["p0", "p1"] and all(r["rewards"][0] >= r["rewards"][-1] for r in got)
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}))
     (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": w}) for w in WORDS[:3]))
-    with pytest.raises(ParamError, match="no 'responses'/'rewards' columns"):
-        rc.pool_rows(str(tmp_path / "prompts.jsonl"), n=3)
-    from lab.models import load_model
-
-    _save_models(tmp_path)
-    policy, tok = load_model(str(tmp_path / "policy"))
-    rm, rm_tok = load_reward_model(str(tmp_path / "rm"))
-    got = rc.pool_rows(str(tmp_path / "prompts.jsonl"), n=3, policy=policy, tokenizer=tok, reward_model=rm,
-                       rm_tokenizer=rm_tok, N=4, max_new_tokens=3)
-    assert len(got) == 3 and all(len(r["responses"]) == len(r["rewards"]) == 4 for r in got)
-    again = score(rm, rm_tok, [r["prompt"] for r in got], [r["responses"] for r in got])
-    assert torch.allclose(again, torch.tensor([r["rewards"] for r in got], dtype=torch.float64))
+    for name in ("pairs", "prompts"):
+        with pytest.raises(ParamError, match="no 'responses'/'rewards' columns .*; pass -p reward_model"):
+            rc.pool_rows(str(tmp_path / f"{name}.jsonl"), n=1)
 
 
 def test_chosen_scores_are_the_chosen_responses_mean_nll_with_and_without_the_prompt():
