@@ -21,7 +21,8 @@ Choices the paper leaves open, made here: tables initialised N(0, σ²) with σ 
 n-gram history inside a packed sequence (one document per sequence in the toy). `OverTokenizedLM` feeds
 OE(x) to any `transformers` causal LM through `inputs_embeds`; `save` / `load` write the base with
 `save_pretrained` (its config carries the OE settings) and the n-gram tables in `over_encoding.safetensors`.
-Over-Decoding (Algorithm 2) and the MTP-DS head of the full OT model are not built.
+Over-Decoding (Appendix A, Algorithm 2) is `OverDecodingLM`: extra heads for the tokens after the next one; the
+MTP-DS head of the full OT model is not built.
 """
 
 from __future__ import annotations
@@ -141,6 +142,41 @@ class OverTokenizedLM(nn.Module):
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, **kw):
         return self.lm(inputs_embeds=self.oe(input_ids), labels=labels, **kw)
+
+
+class OverDecodingLM(nn.Module):
+    """Over-Decoding (Algorithm 2): beside the LM's own next-token head, head j = 2..n predicts token t + j from the
+    last hidden state h_t (after the final norm) through Linear(D → d) → Linear(d → V), no extra layer; training
+    minimises CE_1 + λ Σ_{j≥2} CE_j (λ_1 = 1, the paper's λ_2 ∈ {0.1 … 1}). Inference and every held-out loss use
+    the next-token head alone, so its loss compares with a plain model's. A `transformers` causal LM with `.model`
+    (the decoder, returning `last_hidden_state`) and `.lm_head`, as Llama; the settings go into
+    `config.over_decoding` (and so into the trained-model cache key)."""
+
+    def __init__(self, lm: nn.Module, *, n: int = 2, lam: float = 0.1, d: int | None = None):
+        super().__init__()
+        D, V = lm.config.hidden_size, lm.config.vocab_size
+        d = d or D
+        self.lm, self.lam = lm, lam
+        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(D, d, bias=False), nn.Linear(d, V, bias=False))
+                                   for _ in range(n - 1))
+        lm.config.over_decoding = {"n": n, "lam": lam, "d": d}
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, **kw):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        h = self.lm.model(input_ids=input_ids, **kw).last_hidden_state
+        logits = self.lm.lm_head(h)
+        if labels is None:
+            return CausalLMOutput(logits=logits)
+        ce = lambda z, y: F.cross_entropy(z.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
+        loss = ce(logits[:, :-1], labels[:, 1:])
+        for j, head in enumerate(self.heads, start=2):
+            loss = loss + self.lam * ce(head(h[:, :-j]), labels[:, j:])
+        return CausalLMOutput(loss=loss, logits=logits)
 
 
 def attach(lm: nn.Module, *, n: int = 2, k: int = 1, m: int = 1021, unigram: bool = True,

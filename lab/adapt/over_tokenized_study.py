@@ -47,6 +47,7 @@ class Config:
     eval_batches: int = 4
     eval_size: int = 64
     ids_mode: str = "ngram"  # "unigram" under `unigram_ids` ("leak", a left shift, only in the tests)
+    od_lam: float = 0.1  # Over-Decoding: λ of the next-2 head (the paper's smallest; smaller is better downstream)
 
     @classmethod
     def for_scale(cls, scale: str, control: str = "") -> Config:
@@ -128,20 +129,31 @@ def size_table(cfg: Config, x: torch.Tensor, ms, shapes=((2, 1), (3, 1), (3, 2))
 
 
 def toy_study(cfg: Config, seed: int, device: str = "cpu") -> dict:
-    """Train (or load from the cache) every run of `cfg.runs()` for the same steps, and the dense baseline with
-    twice the layers (`dense_name`: twice the non-embedding parameters, the abstract's "double-sized baseline");
-    held-out metrics of each."""
+    """Train (or load from the cache) every run of `cfg.runs()` for the same steps, the dense baseline with twice
+    the layers (`dense_name`: twice the non-embedding parameters, the abstract's "double-sized baseline") and the
+    baseline with Over-Decoding's next-2 head (`od_name`; the output side of the paper's input-vs-output comparison);
+    held-out metrics of each (next-token loss: OD's extra head is not read)."""
     task, x = cfg.task(seed), eval_batch(cfg, seed)
     tc = TrainConfig(steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr, weight_decay=0.0, seed=seed)
     out = {}
     builds = {name: (spec, partial(build, cfg, spec)) for name, spec in cfg.runs().items()}
     builds[dense_name(cfg)] = (None, partial(build, cfg, None, 2 * cfg.n_layers))
+    builds[od_name(cfg)] = (None, partial(build_od, cfg))
     for name, (spec, make) in builds.items():
         run = fit(make, task, tc, device=device)
         oe = getattr(run.model, "oe", None)
         out[name] = {**held_out(run.model, task, x), "spec": spec, "losses": run.losses, "seconds": run.seconds,
                      "cached": run.cached, "oe_params": oe.n_params() if oe else 0, "model": run.model}
     return {"runs": out, "task": task, "x": x}
+
+
+def build_od(cfg: Config):
+    """The baseline tiny Llama with Over-Decoding's next-2 head (`ot.OverDecodingLM`, λ = `cfg.od_lam`)."""
+    return ot.OverDecodingLM(build(cfg, None), n=2, lam=cfg.od_lam)
+
+
+def od_name(cfg: Config) -> str:
+    return f"OD next-2 head λ={cfg.od_lam:g}"
 
 
 def dense_name(cfg: Config) -> str:
