@@ -258,3 +258,39 @@ def test_checkpoint_folder_gets_over_encoding_trained_saved_and_reloads(tmp_path
     back = ot.load(tmp_path / "oe")
     assert back.oe.moduli() == [m, m + 2, m + 4, m + 6]
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "oe").config.over_encoding["k"] == 2
+
+
+def test_over_decoding_loss_is_ce_next_plus_lambda_ce_next2_by_hand():
+    torch.manual_seed(0)
+    lm = tiny_llama(vocab_size=20, d_model=16, n_layers=1, n_heads=2)
+    od = ot.OverDecodingLM(lm, n=3, lam=0.3).eval()
+    x = torch.randint(1, 20, (2, 9))
+    labels = x.clone()
+    labels[0, :3] = -100  # ignored positions stay ignored in every head
+    out = od(input_ids=x, labels=labels)
+    with torch.no_grad():
+        ref = lm(input_ids=x, labels=labels)
+        h = lm.model(input_ids=x).last_hidden_state
+    torch.testing.assert_close(out.logits, ref.logits)  # inference reads the LM's own head only
+    total, n_terms = ref.loss, 0
+    for j, head in enumerate(od.heads, start=2):  # naive: every position t with a label at t + j
+        terms = [torch.nn.functional.cross_entropy(head(h[b, t])[None].float(), labels[b, t + j][None])
+                 for b in range(2) for t in range(9 - j) if labels[b, t + j] != -100]
+        total, n_terms = total + 0.3 * torch.stack(terms).mean(), n_terms + 1
+    assert n_terms == 2 and out.loss.item() == pytest.approx(total.item(), rel=1e-5)
+    assert od(input_ids=x).loss is None and lm.config.over_decoding == {"n": 3, "lam": 0.3, "d": 16}
+    zero = ot.OverDecodingLM(tiny_llama(vocab_size=20, d_model=16, n_layers=1, n_heads=2), n=2, lam=0.0)
+    plain = zero.lm(input_ids=x, labels=labels).loss.item()
+    assert zero(input_ids=x, labels=labels).loss.item() == pytest.approx(plain, rel=1e-5)  # λ = 0: the LM's loss
+
+
+def test_over_decoding_run_is_keyed_apart_from_the_baseline():
+    from lab.models.train import cache_key
+
+    cfg = ots.Config()
+    task = cfg.task(0)
+    tc = ots.TrainConfig(steps=1, batch_size=2, lr=1e-3, seed=0)
+    torch.manual_seed(0)
+    base, od = ots.build(cfg, None), ots.build_od(cfg)
+    assert cache_key(base, task, tc) != cache_key(od, task, tc)
+    assert isinstance(od, ot.OverDecodingLM) and len(od.heads) == 1 and od.lam == cfg.od_lam
