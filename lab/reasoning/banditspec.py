@@ -55,6 +55,9 @@ class Config:
     cr_scale_b: float = 0.25  # the theory radius needs hundreds of pulls; B shows 1.0 as an ablation
     target_steps: int = 160
     draft_steps: int = 150
+    eagle_steps: int = 300  # EAGLE head (K = 6): at lr 1e-2 its fixed arm reaches the floor of rounds (seeds 1–4)
+    eagle_lr: float = 1e-2
+    rest_rows: int = 128  # REST's datastore: answers of this many training-mix sequences
     # C · γ under load
     gammas: tuple[int, ...] = (0, 1, 2, 3, 4)
     batches: tuple[int, ...] = (1, 4, 16, 64)
@@ -70,7 +73,7 @@ class Config:
     def for_scale(cls, scale: str = "smoke", control: str = "") -> Config:
         kw: dict = {}
         if scale == "full":
-            kw.update(runs=200, n_prompts=64, gen_len=512, target_steps=2000, draft_steps=1000)
+            kw.update(runs=200, n_prompts=64, gen_len=512, target_steps=2000, draft_steps=1000, eagle_steps=2000)
         if control in ("round_robin", "fixed_arm"):
             kw["bandit"] = control.replace("_", " ")
         return cls(**kw)

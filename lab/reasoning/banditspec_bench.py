@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
 
@@ -143,18 +144,18 @@ def plain(model, prompt: list[int], n: int, **kw) -> list[int]:
 
 
 def mix(models: dict, prompts: list[list[int]], cfg: Config, seed: int = 0,
-        policies: tuple[str, ...] | None = None, cr_scale: float | None = None) -> dict:
+        policies: tuple[str, ...] | None = None, cr_scale: float | None = None, arms: Callable = arms_of) -> dict:
     """Greedy decoding of every prompt under each policy (default: every fixed arm, UCBSpec, EXP3Spec), the prompts
-    in order with fresh arms per policy: {policy: [Trace per prompt]}, plus "identical": per policy, the share of
-    prompts whose output equals plain greedy `generate`."""
+    in order with fresh arms per policy (`arms(models, L, V)`, default `arms_of`): {policy: [Trace per prompt]}, plus
+    "identical": per policy, the share of prompts whose output equals plain greedy `generate`."""
     V = models["target"].config.vocab_size
-    names = [a.name for a in arms_of(models, cfg.L_b, V)]
+    names = [a.name for a in arms(models, cfg.L_b, V)]
     policies = policies or tuple(f"fixed {i}" for i in range(len(names))) + ("UCBSpec", "EXP3Spec")
     ref = [plain(models["target"], p, cfg.gen_len) for p in prompts]
     out: dict = {"arms": names, "reference": ref}
     for pol in policies:
-        arms = arms_of(models, cfg.L_b, V)
-        out[pol] = [bandit_generate(models["target"], arms, p, cfg.gen_len, policy=pol, seed=seed * 1000 + j,
+        fresh = arms(models, cfg.L_b, V)
+        out[pol] = [bandit_generate(models["target"], fresh, p, cfg.gen_len, policy=pol, seed=seed * 1000 + j,
                                     cr_scale=cfg.cr_scale_b if cr_scale is None else cr_scale, delta=cfg.delta,
                                     radius=cfg.radius, bandit=cfg.bandit) for j, p in enumerate(prompts)]
     out["identical"] = {pol: float(np.mean([t.tokens == r for t, r in zip(out[pol], ref)])) for pol in policies}
@@ -183,6 +184,21 @@ def summary(res: dict, kinds: list[str], after: int = 20, near: float = 1.25) ->
                 hits = [a in g for t, g in zip(res[k], good) for a in t.arms[after:]]
                 out[f"near-best share {k}"] = float(np.mean(hits)) if hits else float("nan")
     return out
+
+
+def rounds_table(res: dict, kinds: list[str], cfg: Config, theory: dict | None = None):
+    """Part B's table (a DataFrame): rounds (target calls), MAT and "= greedy generate" per policy, the fixed arms by
+    name, the per-prompt oracle, plain decoding and, given `theory` (a `mix` of UCBSpec at cr_scale 1), its rounds."""
+    import pandas as pd
+
+    S = summary(res, kinds)
+    t = pd.DataFrame({"rounds (target calls)": S["rounds"], "MAT": S["mat"], "= greedy generate": res["identical"]})
+    t.loc["per-prompt oracle", "rounds (target calls)"] = S["oracle"]
+    t.loc["plain decoding", "rounds (target calls)"] = cfg.gen_len * len(res["reference"])
+    if theory is not None:
+        theory_rounds = summary(theory, kinds)["rounds"]["UCBSpec"]
+        t.loc["UCBSpec, theory radius (cr_scale 1)", "rounds (target calls)"] = theory_rounds
+    return t.rename(index={f"fixed {i}": f"fixed {a}" for i, a in enumerate(res["arms"])})
 
 
 # ------------------------------------------------------------------------------------- checkpoint path

@@ -4,8 +4,8 @@ that share a tokenizer: drafters, KV caches cropped on rejection, greedy and rej
 - An arm is (drafter, γ): `LMDrafter` (a small causal LM, its own `DynamicCache`) or `PromptLookup` (n-gram match
   over prompt + generated text, as `transformers`' `PromptLookupCandidateGenerator`: longest n-gram first, the
   earliest earlier occurrence with a continuation) or `SuffixTree` (SuffixDecoding: the most frequent continuation
-  in the prompt and in earlier outputs). A drafter proposes up to γ tokens and, for sampling, their draft
-  distributions q (the model-free drafters' q is one-hot).
+  in the prompt and in earlier outputs); `lab.reasoning.banditspec_drafters` adds REST and EAGLE. A drafter
+  proposes up to γ tokens and, for sampling, their draft distributions q (the model-free drafters' q is one-hot).
 - Caches hold a prefix of the verified text; each call first crops a cache to the longest common prefix with the
   current text and feeds what is missing (an idle drafter catches up with the tokens other arms produced).
 - Greedy: accept the longest prefix of drafts equal to the target argmax, then the target's argmax (the official
@@ -33,10 +33,13 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 class Cached:
     """A causal LM with a KV cache over a prefix of the text; `logits(ids)` returns the next-token logits at the
-    last (n_new + 1) positions after syncing, where the first n_new of them follow fed-but-unchecked tokens."""
+    last (n_new + 1) positions after syncing, where the first n_new of them follow fed-but-unchecked tokens.
+    `feats` (len(held), D): the final-norm hidden state at every held position (the LM head's input, what an EAGLE
+    head reads), kept and cropped with the cache when `keep_feats`."""
 
-    def __init__(self, model):
-        self.model, self.cache, self.held = model, None, []
+    def __init__(self, model, keep_feats: bool = False):
+        self.model, self.cache, self.held, self.keep_feats = model, None, [], keep_feats
+        self.feats: torch.Tensor | None = None
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
@@ -54,7 +57,11 @@ class Cached:
         if drop > 0:
             self.cache.crop(-drop)  # crop on rejection (transformers 5: a negative count of tokens to remove)
         new = torch.tensor([ids[keep:]], device=self.device)
-        out = self.model(input_ids=new, cache=self.cache, use_cache=True)  # transformers 5: `cache=`
+        out = self.model(input_ids=new, cache=self.cache, use_cache=True,  # transformers 5: `cache=`
+                         output_hidden_states=self.keep_feats)
+        if self.keep_feats:
+            h = out.hidden_states[-1][0].float()  # after the final norm (transformers' last entry)
+            self.feats = h if self.feats is None or keep == 0 else torch.cat([self.feats[:keep], h])
         self.held = list(ids)
         self.calls = getattr(self, "calls", 0) + 1
         return out.logits[0, -n_out:].float()
@@ -108,6 +115,25 @@ class PromptLookup:
         return [], None
 
 
+def frequent_chain(conts: list[list[int]], gamma: int, min_prob: float = 0.0) -> tuple[list[int], float]:
+    """The most frequent path through continuations `conts` (a trie walked by counts), up to γ tokens, while the
+    path's empirical probability (the product of count(child) / count(children)) stays ≥ `min_prob`:
+    (chain, Σ path probabilities = the expected accepted tokens if the counts were the truth)."""
+    chain, p, score = [], 1.0, 0.0
+    for j in range(gamma):
+        counts = Counter(c[j] for c in conts if len(c) > j)
+        if not counts:
+            break
+        x, c = counts.most_common(1)[0]
+        p *= c / sum(counts.values())
+        if p < min_prob:
+            break
+        chain.append(x)
+        score += p
+        conts = [c for c in conts if len(c) > j and c[j] == x]
+    return chain, score
+
+
 class SuffixTree:
     """SuffixDecoding (Oliaro et al., 2024), the paper's model-free "Suffix Tree" arm, as one chain: a per-request
     tree over the prompt and the text generated so far, and a global tree over earlier requests' outputs (`finish`
@@ -140,19 +166,7 @@ class SuffixTree:
                     conts += [t[s + n:s + n + gamma] for s in np.flatnonzero((win == tail).all(axis=1))]
             if conts:
                 break
-        chain, p, score = [], 1.0, 0.0
-        for j in range(gamma):
-            counts = Counter(c[j] for c in conts if len(c) > j)
-            if not counts:
-                break
-            x, c = counts.most_common(1)[0]
-            p *= c / sum(counts.values())
-            if p < self.min_prob:
-                break
-            chain.append(x)
-            score += p
-            conts = [c for c in conts if len(c) > j and c[j] == x]
-        return chain, score
+        return frequent_chain(conts, gamma, self.min_prob)
 
     def propose(self, ids: list[int], gamma: int, *, greedy: bool, temperature: float,
                 gen: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
@@ -223,10 +237,13 @@ def bandit_generate(target, arms: list[Arm], prompt: list[int], max_new: int, *,
     pol = make_policy(policy, len(arms), 1, rng=np.random.default_rng(seed), L=L, delta=delta, cr_scale=cr_scale,
                       radius=radius, bandit=bandit)
     gen = torch.Generator().manual_seed(seed)
-    tgt, ids, tr = Cached(target), list(prompt), Trace([])
-    for a in arms:  # a fresh cache per prompt for every LM drafter
+    tgt = Cached(target, keep_feats=any(a.drafter.kind == "eagle" for a in arms))
+    ids, tr = list(prompt), Trace([])
+    for a in arms:  # a fresh cache per prompt for every LM drafter; an EAGLE head reads the target's features
         if a.drafter.kind == "lm":
             a.drafter.lm.cache, a.drafter.lm.held = None, []
+        elif a.drafter.kind == "eagle":
+            a.drafter.target = tgt
     while len(tr.tokens) < max_new and (eos is None or eos not in tr.tokens):
         i = int(pol.select()[0])
         arm = arms[i]
