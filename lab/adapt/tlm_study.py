@@ -34,7 +34,9 @@ CONTROLS = {"no_sel": "TLM and online TLM adapt on every input with weight 1 (TL
             "entropy_as_ppl": "Tent, EATA and COME minimise the input perplexity (TLM w/o SEL's loss) in their own "
                               "loops",
             "source_inputs": "TLM and online TLM adapt on unlabeled source-domain inputs (as many, log P0 set on them "
-                             "the same way) instead of the target stream; every score is still on the target"}
+                             "the same way) instead of the target stream; every score is still on the target",
+            "source_answers": "the held-out target questions are scored against the answers the source chain gives "
+                              "them (same questions, same adaptation): output PPL on a domain the inputs do not share"}
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,8 @@ def build(cfg: Config, seed: int, device: str = "cpu") -> Toy:
     g = torch.Generator().manual_seed(cfg.data_seed + seed)
     stream = dom.sample(cfg.n_stream, "target", g)
     held, retain = dom.sample(cfg.n_held, "target", g), dom.retained(cfg.n_retain, g)
+    if cfg.control == "source_answers":
+        held = {**held, "answer": dom.answers_of(held["input"], "source")}
     fisher = dom.sample(cfg.n_fisher, "source", g)["input"].to(device).split(16)
     inputs = [stream["input"][i:i + 1].to(device) for i in range(len(stream["input"]))]
     with torch.no_grad():

@@ -77,6 +77,19 @@ class MarkovDomains:
         y = torch.cat([ids[ans], torch.full((n, 1), tok.eos_token_id)], 1)
         return {"input": x, "answer": y}
 
+    def answers_of(self, inputs: torch.Tensor, domain: str) -> torch.Tensor:
+        """The answers (n, answer + 1) that `domain`'s chain gives to questions `inputs` (n, passage + 3): its
+        successors of each question's last word, then <eos> (`sample`'s answers are `answers_of` their own domain)."""
+        pi = self.chains[domain][0]
+        ids = self.word_ids
+        index = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
+        index[ids] = torch.arange(self.n_words)
+        prev, ans = index[inputs[:, -2]], []  # the word before "A"
+        for _ in range(self.answer):
+            prev = pi[prev]
+            ans.append(prev)
+        return torch.cat([ids[torch.stack(ans, 1)], torch.full((len(inputs), 1), self.tokenizer.eos_token_id)], 1)
+
     def batch(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Pre-training batch on the *source* domain: whole question + answer, LM loss on every token."""
         s = self.sample(n, "source", generator)

@@ -161,6 +161,17 @@ def test_build_sets_log_p0_from_select_frac_on_a_stream_of_questions_only():
         "out_ppl", "in_ppl"}
 
 
+def test_source_answers_control_changes_only_the_held_out_answers():
+    """`source_answers`: the same held-out questions, answered by the source chain; every other stream unchanged."""
+    cfg = small()
+    toy, ctl = TS.build(cfg, seed=0), TS.build(replace(cfg, control="source_answers"), seed=0)
+    assert torch.equal(ctl.held["input"], toy.held["input"]) and not torch.equal(ctl.held["answer"], toy.held["answer"])
+    assert torch.equal(ctl.held["answer"], cfg.domains.answers_of(toy.held["input"], "source"))
+    assert torch.equal(ctl.stream["answer"], toy.stream["answer"])
+    assert torch.equal(ctl.retain["input"], toy.retain["input"])
+    assert ctl.threshold == toy.threshold and ctl.adaptation_stream()[0] is ctl.inputs
+
+
 def test_online_tlm_is_scored_on_its_own_stream_answers_each_given_before_training_on_it():
     """run_online's "stream" scores: chunk by chunk, the answers of the model as it was before that chunk's
     update (a naive loop: answer the chunk, then adapt on it with a fresh optimiser), pooled; not the final

@@ -21,6 +21,22 @@ def test_answers_follow_the_domains_preferred_successors():
             assert int(y[-1]) == D.tokenizer.eos_token_id and D.tokenizer.eos_token_id not in x.tolist()
 
 
+def test_answers_of_a_domain_follow_its_successors_from_the_questions_last_word():
+    g = torch.Generator().manual_seed(1)
+    word = {int(i): w for w, i in zip(range(D.n_words), D.word_ids)}
+    s = D.sample(40, "target", g)
+    assert torch.equal(D.answers_of(s["input"], "target"), s["answer"])  # sample's answers are its own domain's
+    pi = D.chains["source"][0]
+    src = D.answers_of(s["input"], "source")
+    for x, y in zip(s["input"], src):
+        prev = word[int(x[-2])]
+        for tok in y[:-1]:
+            prev = int(pi[prev])
+            assert word[int(tok)] == prev
+        assert int(y[-1]) == D.tokenizer.eos_token_id
+    assert (src != s["answer"]).any(1).float().mean() > 0.5  # the shifted successors change most answers
+
+
 def test_the_target_redraws_a_share_of_the_successors_and_passages_follow_their_chain():
     pi_s, _ = D.chains["source"]
     pi_t, _ = D.chains["target"]
