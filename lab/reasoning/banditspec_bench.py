@@ -27,6 +27,7 @@ from lab.core.params import Params
 from lab.models.spec import TinyLM
 from lab.reasoning.banditspec import Config
 from lab.reasoning.banditspec_decode import Arm, LMDrafter, PromptLookup, SuffixTree, bandit_generate
+from lab.reasoning.banditspec_drafters import Retrieval
 
 PAD, BOS, EOS, EDIT, GEN, SEP = range(6)
 TARGET = TinyLM("llama", d_model=64, n_layers=2, n_heads=4, d_ff=128, max_len=256, steps=500, batch_size=32, lr=3e-3)
@@ -204,11 +205,12 @@ def rounds_table(res: dict, kinds: list[str], cfg: Config, theory: dict | None =
 # ------------------------------------------------------------------------------------- checkpoint path
 
 def checkpoint_run(model: str, draft: str, data: str, cfg: Config, *, n_prompts: int = 8, prompt_len: int = 64,
-                   gen_len: int = 64, seed: int = 0, device: str = "cpu") -> dict:
+                   gen_len: int = 64, seed: int = 0, device: str = "cpu", rest_docs: int = 1000) -> dict:
     """BanditSpec on real checkpoints: target `model` and drafter `draft` (folders or hub ids, one tokenizer;
-    empty `draft`: prompt lookup only, at γ = L and L/2), prompts = the first `prompt_len` tokens of texts from
-    `data`. Greedy, no end of text (`gen_len` tokens each). Measured: rounds and MAT per policy, the per-prompt
-    oracle, and whether every output equals plain greedy `generate`."""
+    empty `draft`: no LM arms), prompts = the first `prompt_len` tokens of texts from `data`; arms prompt lookup
+    (γ = L and L/2), the suffix tree, the drafter (γ = L and L/2) and REST over the other texts of `data` (up to
+    `rest_docs` documents; no arm when there are none). Greedy, no end of text (`gen_len` tokens each). Measured:
+    rounds and MAT per policy, the per-prompt oracle, and whether every output equals plain greedy `generate`."""
     from lab.core.params import ParamError
     from lab.data.text import load_texts
     from lab.models import load_model
@@ -225,18 +227,22 @@ def checkpoint_run(model: str, draft: str, data: str, cfg: Config, *, n_prompts:
                              f"{V}; BanditSpec's drafters must share the target's tokenizer.")
         models.append(dm)
 
-    def build() -> list[Arm]:  # fresh for each policy (the suffix tree remembers earlier outputs)
-        lm = [Arm(f"draft γ={L}", LMDrafter(dm), L), Arm(f"draft γ={half}", LMDrafter(dm), half)] if dm else []
-        return [Arm(f"PLD γ={L}", PromptLookup(3, V), L), *lm, Arm(f"suffix γ={L}", SuffixTree(vocab_size=V), L),
-                Arm(f"PLD γ={half}", PromptLookup(3, V), half)]
-    arms = build()
     for m in models:
         m.generation_config.eos_token_id = None
         m.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in load_texts(data, n=8 * n_prompts, seed=seed)]
-    prompts = [p[:prompt_len] for p in ids if len(p) >= 4][:n_prompts]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in load_texts(data, n=rest_docs, seed=seed)]
+    used = [j for j, p in enumerate(ids) if len(p) >= 4][:n_prompts]
+    prompts, store = [ids[j][:prompt_len] for j in used], [p for j, p in enumerate(ids) if j not in set(used)]
     if not prompts:
         raise ParamError(f"data={data!r} holds no text of at least 4 tokens to prompt with.")
+    index = Retrieval(store, vocab_size=V) if store else None  # REST's datastore: the texts not prompted with
+
+    def build() -> list[Arm]:  # fresh for each policy (the suffix tree remembers earlier outputs)
+        lm = [Arm(f"draft γ={L}", LMDrafter(dm), L), Arm(f"draft γ={half}", LMDrafter(dm), half)] if dm else []
+        rest = [Arm(f"REST γ={L}", index, L)] if index else []
+        return [Arm(f"PLD γ={L}", PromptLookup(3, V), L), *lm, Arm(f"suffix γ={L}", SuffixTree(vocab_size=V), L),
+                *rest, Arm(f"PLD γ={half}", PromptLookup(3, V), half)]
+    arms = build()
     pols = tuple(f"fixed {i}" for i in range(len(arms))) + ("UCBSpec", "EXP3Spec")
     ref = [plain(target, p, gen_len) for p in prompts]
     res = {}

@@ -306,7 +306,8 @@ def test_edit_generate_task_answers():
 
 @pytest.mark.notebook
 def test_checkpoint_target_and_drafter_folders_run_the_bandit(tmp_path):
-    """model=<folder>, draft=<folder>, data=<.txt>: BanditSpec over the drafter and prompt lookup, measured."""
+    """model=<folder>, draft=<folder>, data=<.txt>: BanditSpec over the drafter, prompt lookup, the suffix tree and
+    REST, measured."""
     from lab.models.tokenizer import word_tokenizer
 
     from ..conftest import run_lab, save_tiny_lm
@@ -326,6 +327,7 @@ def test_checkpoint_target_and_drafter_folders_run_the_bandit(tmp_path):
     ck = rec["metrics"]["checkpoint"]
     assert ck["identical"] == {k: 1.0 for k in ck["identical"]} and set(ck["rounds"]) >= {"UCBSpec", "EXP3Spec"}
     assert ck["tokens"] == 3 * 24 and all(ck["rounds"][k] <= ck["tokens"] for k in ck["rounds"])
+    assert "REST γ=4" in ck["arms"] and len(ck["arms"]) == 6  # REST over the 17 texts not prompted with
     print(f"checkpoint run: {rec['seconds']:.1f} s")
 
 
