@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -128,17 +129,20 @@ def train_eagle(target, task, *, steps: int = 300, batch_size: int = 32, lr: flo
     """Train an EAGLE head on the frozen `target` over batches of `task` (`input_ids`, `labels` with −100 where no
     loss is taken: the loss covers pairs whose next token x_{t+1} is a labelled one). Returns (head, losses)."""
     torch.manual_seed(seed)
-    head = EagleHead(target.config, target.get_input_embeddings().weight.detach())
+    dev = next(target.parameters()).device
+    head = EagleHead(target.config, target.get_input_embeddings().weight.detach()).to(dev)
     gen = torch.Generator().manual_seed(seed)
-    lm_head = target.get_output_embeddings()
+    out = target.get_output_embeddings()
+    w = out.weight.detach().float()  # the head trains in float32 whatever the target's dtype
+    lm_head = lambda h: F.linear(h, w)
 
     def step_loss(_: int) -> torch.Tensor:
         b = task.batch(batch_size, gen)
-        ids = b["input_ids"]
+        ids = b["input_ids"].to(dev)
         with torch.no_grad():
-            f = features(target, ids)
-        f_in = f[:, :-1] + (torch.rand(f[:, :-1].shape, generator=gen) * 2 - 1) * noise
-        return eagle_loss(head(f_in, ids[:, 1:]), f[:, 1:], lm_head, b["labels"][:, 1:] != -100, p_w)
+            f = features(target, ids).float()
+        f_in = f[:, :-1] + ((torch.rand(f[:, :-1].shape, generator=gen) * 2 - 1) * noise).to(dev)
+        return eagle_loss(head(f_in, ids[:, 1:]), f[:, 1:], lm_head, b["labels"][:, 1:].to(dev) != -100, p_w)
 
     trainable = [p for p in head.parameters() if p.requires_grad]
     losses = optimize(trainable, step_loss, steps=steps, lr=lr, grad_clip=0.5, optimizer=torch.optim.AdamW,
@@ -166,7 +170,7 @@ class EagleDrafter:
         drafts, qs = [], []
         for _ in range(gamma):
             f_hat = self.head(f[None], torch.tensor([nxt], device=dev))[0, -1]
-            logits = self.lm_head(f_hat).float()
+            logits = self.lm_head(f_hat.to(self.lm_head.weight.dtype)).float()
             if greedy:
                 x = int(logits.argmax())
             else:
@@ -176,6 +180,18 @@ class EagleDrafter:
             drafts.append(x)
             f, nxt = torch.cat([f, f_hat[None]]), nxt + [x]
         return drafts, (torch.stack(qs) if qs else None)
+
+
+@dataclass(frozen=True, eq=False)
+class TokenBlocks:
+    """`train_eagle`'s task on a checkpoint: rows of `blocks` (n, T) token ids drawn with replacement, the loss on
+    every position (a corpus of plain text has no prompt to mask)."""
+
+    blocks: torch.Tensor
+
+    def batch(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        ids = self.blocks[torch.randint(len(self.blocks), (n,), generator=generator)]
+        return {"input_ids": ids, "labels": ids.clone()}
 
 
 # ---------------------------------------------------------------------------------------- the toy's K = 6

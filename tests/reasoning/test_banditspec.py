@@ -306,8 +306,8 @@ def test_edit_generate_task_answers():
 
 @pytest.mark.notebook
 def test_checkpoint_target_and_drafter_folders_run_the_bandit(tmp_path):
-    """model=<folder>, draft=<folder>, data=<.txt>: BanditSpec over the drafter, prompt lookup, the suffix tree and
-    REST, measured."""
+    """model=<folder>, draft=<folder>, data=<.txt>, eagle_steps: BanditSpec over the drafter, prompt lookup, the suffix
+    tree, REST and EAGLE, measured."""
     from lab.models.tokenizer import word_tokenizer
 
     from ..conftest import run_lab, save_tiny_lm
@@ -320,6 +320,7 @@ def test_checkpoint_target_and_drafter_folders_run_the_bandit(tmp_path):
     (tmp_path / "text.txt").write_text("\n".join(" ".join(g.choice(words[:8], 30)) for _ in range(20)))
     proc = run_lab("run", "16_banditspec", "-p", "model", str(tmp_path / "t"), "-p", "draft", str(tmp_path / "d"),
                    "-p", "data", str(tmp_path / "text.txt"), "-p", "n_prompts", "3", "-p", "gen_len", "24",
+                   "-p", "eagle_steps", "20",
                    "--out", str(tmp_path / "out"), "--no-page")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rec = json.loads((tmp_path / "out" / "16_banditspec.json").read_text())
@@ -327,7 +328,8 @@ def test_checkpoint_target_and_drafter_folders_run_the_bandit(tmp_path):
     ck = rec["metrics"]["checkpoint"]
     assert ck["identical"] == {k: 1.0 for k in ck["identical"]} and set(ck["rounds"]) >= {"UCBSpec", "EXP3Spec"}
     assert ck["tokens"] == 3 * 24 and all(ck["rounds"][k] <= ck["tokens"] for k in ck["rounds"])
-    assert "REST γ=4" in ck["arms"] and len(ck["arms"]) == 6  # REST over the 17 texts not prompted with
+    assert {"REST γ=4", "EAGLE γ=4"} <= set(ck["arms"]) and len(ck["arms"]) == 7  # over the 17 texts not prompted
+    assert ck["eagle_loss"] > 0
     print(f"checkpoint run: {rec['seconds']:.1f} s")
 
 

@@ -138,3 +138,21 @@ def test_trained_eagle_and_rest_arms_are_lossless_and_draft_accepted_tokens():
             assert tr.tokens == bb.plain(target, p, 40)
             if policy != "UCBSpec":
                 assert sum(tr.accepted) >= 20  # both arms draft the cycle: most rounds accept drafts
+
+
+def test_eagle_trains_and_drafts_on_a_bfloat16_target():
+    """A checkpoint in bf16: the head trains in float32 on the target's features, drafts through the bf16 LM head."""
+    from lab.reasoning.banditspec_drafters import TokenBlocks
+
+    target = _target().to(torch.bfloat16)
+    blocks = torch.randint(1, 40, (8, 24), generator=torch.Generator().manual_seed(0))
+    head, losses = train_eagle(target, TokenBlocks(blocks), steps=5, batch_size=4, seed=0, quiet=True)
+    assert all(np.isfinite(losses)) and next(head.parameters()).dtype == torch.float32
+    d = EagleDrafter(head, target)
+    d.target = Cached(target, keep_feats=True)
+    ids = blocks[0, :10].tolist()
+    d.target.feed(ids[:-1])
+    drafts, _ = d.propose(ids, 3, greedy=True, temperature=1.0, gen=None)
+    assert len(drafts) == 3 and all(0 <= x < 40 for x in drafts)
+    tr = bandit_generate(target, [Arm("EAGLE", d, 3)], ids, 12)
+    assert len(tr.tokens) == 12
