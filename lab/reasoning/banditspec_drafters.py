@@ -27,14 +27,13 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import LlamaModel
+from transformers import LlamaConfig, LlamaModel
 
 from lab.core.stages import stage
 from lab.models.train import optimize
@@ -86,13 +85,20 @@ class Retrieval:
 # ------------------------------------------------------------------------------------------------ EAGLE
 
 class EagleHead(nn.Module):
-    """f̂_{t+1} = Layer(fc([e(x_{t+1}); f_t])) with the target's config (one layer) and its embedding, frozen."""
+    """f̂_{t+1} = Layer(fc([e(x_{t+1}); f_t])): one Llama decoder layer (EAGLE's choice for every base model) with the
+    target's width, heads and MLP width (`config`, any family: GPT-2's names are mapped by transformers), and the
+    target's token embedding (V, D), frozen."""
 
-    def __init__(self, target_config, embedding: torch.Tensor):
+    def __init__(self, config, embedding: torch.Tensor):
         super().__init__()
-        cfg = copy.deepcopy(target_config)
-        cfg.num_hidden_layers = 1
-        D = cfg.hidden_size
+        V, D = embedding.shape
+        heads = getattr(config, "num_attention_heads", None) or max(1, D // 64)
+        cfg = LlamaConfig(vocab_size=V, hidden_size=D, num_hidden_layers=1, num_attention_heads=heads,
+                          num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+                          intermediate_size=getattr(config, "intermediate_size", None) or 4 * D,
+                          rms_norm_eps=getattr(config, "rms_norm_eps", None) or 1e-6,
+                          max_position_embeddings=getattr(config, "max_position_embeddings", None) or 4096,
+                          attn_implementation=getattr(config, "_attn_implementation", None) or "eager")
         self.fc = nn.Linear(2 * D, D, bias=True)
         self.body = LlamaModel(cfg)
         self.body.norm = nn.Identity()  # no final norm: f̂ regresses the post-norm feature itself

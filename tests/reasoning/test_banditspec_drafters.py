@@ -156,3 +156,15 @@ def test_eagle_trains_and_drafts_on_a_bfloat16_target():
     assert len(drafts) == 3 and all(0 <= x < 40 for x in drafts)
     tr = bandit_generate(target, [Arm("EAGLE", d, 3)], ids, 12)
     assert len(tr.tokens) == 12
+
+
+def test_eagle_head_fits_a_target_of_another_family():
+    """The head is a Llama layer of the target's sizes whatever the target's family (here a Mixtral MoE)."""
+    from lab.models.zoo import tiny_mixtral
+
+    torch.manual_seed(0)
+    target = tiny_mixtral(vocab_size=40, d_model=32, n_layers=1, n_heads=4).eval()
+    head = EagleHead(target.config, target.get_input_embeddings().weight.detach())
+    assert head.body.config.hidden_size == 32 and head.body.config.num_attention_heads == 4
+    ids = torch.randint(1, 40, (2, 9))
+    assert head(features(target, ids), ids).shape == (2, 9, 32)
