@@ -2,32 +2,38 @@
 `lab.reasoning.banditspec_decode.bandit_generate`.
 
 - `Retrieval` — REST (He et al., NAACL 2024; official `FasterDecoding/REST`): a static datastore of text; the
-  longest suffix of the current text, from `max_span` = 16 tokens down to 2 (the official `token_spans`), that occurs
-  in the datastore; the continuations of its occurrences; the draft is their most frequent path. REST builds a
-  trie of the retrieved continuations and verifies its `num_draft` = 64 most frequent nodes as a tree with tree
-  attention; this loop verifies one chain, so the chain is the trie's most frequent path (`frequent_chain`).
-  Its suffix-array index (`draftretriever`) is replaced by an exact match over the datastore's positions.
+  longest suffix of the current text, from `max_span` = 16 tokens down to 2 (the official `token_spans`; never 1),
+  that occurs in the datastore; the continuations of its occurrences; the draft is their most frequent path. REST
+  builds a trie of the retrieved continuations and verifies its `num_draft` = 64 most frequent nodes as a tree with
+  tree attention; this loop verifies one chain, so the chain is the trie's most frequent path (`frequent_chain`).
+  Differences: an exact match over the datastore's positions instead of its suffix array (`draftretriever`), every
+  occurrence kept (it keeps ≤ 5,000, continuations ≤ 10 tokens), a separator between texts (its datastore
+  concatenates them, so a match may run across two), and nothing drafted on a miss (it drafts a fixed token).
 - `EagleHead` / `EagleDrafter` — EAGLE (Li et al., ICML 2024, arXiv 2401.15077; official `SafeAILab/EAGLE`,
   `eagle/model/cnets1.py`, `eagle/train/main.py`): autoregression at the feature level. With f_t the target's
   final-norm hidden state at position t (its LM head's input) and e(x) the target's token embedding (frozen), the
-  head predicts f̂_{t+1} = Layer(fc([e(x_{t+1}); f_t])): fc a Linear(2D→D) with bias, one Llama decoder layer without
-  its input RMSNorm (`index == 0`) and no final norm; the draft token comes from the target's own LM head applied to
-  f̂. Training (Sec. 4 / `main.py`): L = SmoothL1(f̂_{t+1}, f_{t+1}) + w_cls · CE(softmax(head(f_{t+1})), head(f̂_{t+1}))
-  with w_cls = `p_w` = 0.1, on a fixed data set (here the task's own training mix) with the target frozen, input
-  features perturbed by U(−0.1, 0.1) noise (the paper's value; the official code scales its width by 512 / sequence
-  length). Differences, for the toy's size: Adam(W) with a norm clip 0.5 (the official code clips values at 0.5,
-  with a linear warm-up), and no KV cache in the head (it re-reads the whole text each draft step: the same numbers).
-  EAGLE-2 (the paper's arm) grows a dynamic draft *tree* from the head's confidences; a chain verifier takes its
-  greedy path, i.e. EAGLE-1's chain.
+  head predicts f̂_{t+1} = Layer(fc([e(x_{t+1}); f_t])): fc a Linear(2D→D) with bias (the default; some official
+  heads set it off), no activation, one Llama decoder layer without its input RMSNorm (`index == 0`), PyTorch's default
+  initialisation, no final norm; the draft token comes from the target's own LM head applied to f̂. Training
+  (Sec. 4 / `main.py`): L = SmoothL1(f̂_{t+1}, f_{t+1}) + w_cls · CE(softmax(head(f_{t+1})), head(f̂_{t+1})) with
+  w_cls = `p_w` = 0.1, AdamW (β = 0.9, 0.95), on a fixed data set (here the task's own training mix) with the target
+  frozen, input features perturbed by U(−0.1, 0.1) noise (the paper's value; the official code scales its width by
+  512 / sequence length). Differences, for the toy's size: lr 1e-2 held constant (officially 3e-5 after 2,000
+  warm-up steps, then linear decay, in bf16 mixed precision), a norm clip 0.5 (officially by value), the loss on
+  pairs whose token x_{t+1} is an answer token (officially pairs whose x_t is; one pair apart at the prompt's end),
+  and no KV cache in the head (it re-reads the whole text each draft step: the same numbers). EAGLE-2 (the paper's
+  arm) grows a dynamic draft *tree* from the head's confidences; a chain verifier takes its greedy path, i.e.
+  EAGLE-1's chain.
   At decode time the features come from the target's verification calls (`Cached(keep_feats=True)`): f_t is known for
   every verified position but the last (the bonus token has not been fed yet), exactly what EAGLE pairs with the
   text shifted by one. The first round of a prompt has no features yet: the head drafts nothing and the round is a
-  plain target step (EAGLE's prefill).
+  plain target step (EAGLE's prefill; a bandit that pulls EAGLE first records a reward of 1 for it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -103,6 +109,9 @@ class EagleHead(nn.Module):
         self.body = LlamaModel(cfg)
         self.body.norm = nn.Identity()  # no final norm: f̂ regresses the post-norm feature itself
         self.body.layers[0].input_layernorm = nn.Identity()  # `cnets1.LlamaDecoderLayer`, index 0
+        for m in self.body.modules():  # the official head is a plain nn.Module: PyTorch's default Linear init
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
         self.body.embed_tokens.weight.data.copy_(embedding)
         self.body.embed_tokens.weight.requires_grad_(False)
 
@@ -140,7 +149,8 @@ def train_eagle(target, task, *, steps: int = 300, batch_size: int = 32, lr: flo
     gen = torch.Generator().manual_seed(seed)
     out = target.get_output_embeddings()
     w = out.weight.detach().float()  # the head trains in float32 whatever the target's dtype
-    lm_head = lambda h: F.linear(h, w)
+    b = None if getattr(out, "bias", None) is None else out.bias.detach().float()
+    lm_head = lambda h: F.linear(h, w, b)
 
     def step_loss(_: int) -> torch.Tensor:
         b = task.batch(batch_size, gen)
@@ -151,8 +161,8 @@ def train_eagle(target, task, *, steps: int = 300, batch_size: int = 32, lr: flo
         return eagle_loss(head(f_in, ids[:, 1:]), f[:, 1:], lm_head, b["labels"][:, 1:].to(dev) != -100, p_w)
 
     trainable = [p for p in head.parameters() if p.requires_grad]
-    losses = optimize(trainable, step_loss, steps=steps, lr=lr, grad_clip=0.5, optimizer=torch.optim.AdamW,
-                      desc="EAGLE head", quiet=quiet)
+    losses = optimize(trainable, step_loss, steps=steps, lr=lr, grad_clip=0.5,
+                      optimizer=partial(torch.optim.AdamW, betas=(0.9, 0.95)), desc="EAGLE head", quiet=quiet)
     return head.eval(), losses
 
 
@@ -204,7 +214,7 @@ class TokenBlocks:
 
 def datastore(task, rows: int, seed: int = 0) -> list[list[int]]:
     """REST's datastore for the toy: the answers (labelled tokens) of `rows` sequences of the task's training mix,
-    drawn apart from the prompts (REST's corpora are text of the kind the model answers, not the prompts)."""
+    drawn apart from the prompts (REST's chat datastore encodes whole conversations; a toy question adds nothing)."""
     b = task.batch(rows, torch.Generator().manual_seed(7000 + seed))
     return [row[lab != -100].tolist() for row, lab in zip(b["input_ids"], b["labels"])]
 

@@ -84,6 +84,8 @@ def test_eagle_head_is_fc_then_one_layer_without_input_or_final_norm():
     assert isinstance(head.body.layers[0].input_layernorm, torch.nn.Identity)
     assert torch.equal(head.body.embed_tokens.weight, target.get_input_embeddings().weight)
     assert not head.body.embed_tokens.weight.requires_grad
+    w = head.body.layers[0].self_attn.q_proj.weight  # PyTorch's default init (uniform ±1/√D), not N(0, 0.02)
+    assert w.abs().max() <= 32 ** -0.5 and w.std() > 0.05
     # causal: the prediction at position t reads nothing after t
     f, x = torch.randn(1, 6, 32), torch.randint(1, 40, (1, 6))
     out = head(f, x)
