@@ -116,6 +116,9 @@ def test_sweep_writes_a_results_file_and_its_table(nbdir, tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr  # control 'weak' does not break 'also'
     data = json.loads(target.read_text())
     assert data["seeds"] == [0, 1] and [r["values"]["holds"] for r in data["runs"]] == [0.9, 1.9]
+    import torch
+
+    assert data["machine"]["torch"] == torch.__version__ and data["machine"]["cpu_capability"]
     assert data["claims"]["holds"] == {"op": ">=", "threshold": 0.5}
     assert data["runs"][1]["metrics"] == data["controls"]["flip"]["metrics"] == {"m": {"a": 1}}
     assert "stated numbers: 1/2 match this sweep" in proc.stdout  # m|a is 1, not 2

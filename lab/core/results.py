@@ -3,13 +3,15 @@
 `python -m lab sweep <notebook> --seeds 0-9` runs the notebook once per seed and once per declared
 control (seed 0 by default), each in its own `python -m lab run` subprocess, and writes one file:
 
-    {"notebook", "date", "commit", "params" (overrides), "seeds",
+    {"notebook", "date", "commit", "machine" (CPU, torch's CPU capability, versions), "params" (overrides), "seeds",
      "claims": {name: {"op", "threshold"}},                      # as the notebook states them now
      "runs": [{"seed", "status", "seconds", "values": {name: value}, "passed": {name: bool}, "metrics": {...}}],
      "controls": {name: {"seed", "status", "must_break", "broken", "survived", "values", "metrics"}}}
 
 `metrics` keeps every `record(...)` of the run (floats to 6 significant digits), so a number the notebook's text
 states about its measurements can be checked against the sweep (`lab.core.statements`), not only its claims.
+
+The numbers are the machine's: the same commit on another CPU can move them (`machine`), so a file says where it ran.
 
 The notebook's Results section shows `seed_table(stem)`, never a table typed by hand; `problems`
 is what the hygiene test asserts on (a missing or stale file, a threshold not met on a recorded seed).
@@ -64,6 +66,29 @@ def _dirty() -> list[str]:
     (sweeps write them; no run reads them but to draw its table)."""
     return sorted(f for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()
                   if not (f := line[3:]).startswith("notebooks/results/"))
+
+
+def machine() -> dict:
+    """What a sweep ran on. One machine gives the same numbers every time (DESIGN.md, Determinism); another CPU need
+    not: its float kernels (torch picks them by the vector instructions it finds, `cpu_capability`) round
+    differently, and tiny models trained from scratch carry the difference into every later number."""
+    import os
+    import platform
+
+    import numpy
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "numpy": numpy.__version__}
 
 
 def _rounded(value, digits: int = 6):
@@ -121,7 +146,7 @@ def write(target: Path, stem: str, runs: list[dict], overrides: dict, controls: 
         for c in r["claims"]:
             claims.setdefault(c["name"], {"op": c["op"], "threshold": c["threshold"]})
     data = {"notebook": stem, "date": datetime.now().astimezone().isoformat(timespec="seconds"),
-            "commit": _commit(), **({"dirty": d} if (d := _dirty()) else {}), "params": overrides,
+            "commit": _commit(), **({"dirty": d} if (d := _dirty()) else {}), "machine": machine(), "params": overrides,
             "seeds": sorted(r["params"]["seed"] for r in method),
             "claims": claims, "runs": [], "controls": {}}
     for r in sorted(method, key=lambda r: r["params"]["seed"]):
