@@ -102,15 +102,21 @@ def cmd_sweep(args) -> int:
     controls = {} if args.no_controls else declared_controls(path)
     plan([path], overrides)  # bad parameters: one sentence before any run
     target = Path(args.out) if args.out else results.path_of(path.stem, path.parent)
+    before = json.loads(target.read_text()).get("machine") if target.exists() else None
     with zygote.warm():  # its `lab run` processes inherit it
         data = _sweep(path, seeds, control_seeds, controls, overrides, target, args)
     print(results.summary(data))
-    _stated(path, data)
+    _stated(path, data, before)
     return 0 if results.holds(data) else 1
 
 
-def _stated(path: Path, data: dict) -> None:
-    """After a sweep: the numbers the notebook's text states that this sweep no longer supports."""
+def _machine(m: dict | None) -> str:
+    return f"{m['cpu']} ({m['cpu_capability']}, torch {m['torch']})" if m else "a machine it does not name"
+
+
+def _stated(path: Path, data: dict, before: dict | None = None) -> None:
+    """After a sweep: the numbers the notebook's text states that this sweep no longer supports (and, when the
+    results file it replaced ran elsewhere, that another CPU moves numbers by itself)."""
     from lab.core import statements
 
     try:
@@ -123,6 +129,9 @@ def _stated(path: Path, data: dict) -> None:
         "; update the text (`python -m lab statements " + path.stem + "`):" if bad else ""))
     for f in bad:
         print(f"    {f['statement']}: {f['problem']}")
+    if bad and before != data.get("machine"):
+        print(f"  the results file this sweep replaced ran on {_machine(before)}, this one on "
+              f"{_machine(data.get('machine'))}: another CPU alone can move these numbers")
 
 
 def _sweep(path: Path, seeds: list[int], control_seeds: list[int], controls: dict, overrides: dict, target: Path,

@@ -123,6 +123,7 @@ def test_sweep_writes_a_results_file_and_its_table(nbdir, tmp_path):
     assert data["runs"][1]["metrics"] == data["controls"]["flip"]["metrics"] == {"m": {"a": 1}}
     assert "stated numbers: 1/2 match this sweep" in proc.stdout  # m|a is 1, not 2
     assert "states 2, the sweep recorded 1" in proc.stdout
+    assert "replaced ran on a machine it does not name" in proc.stdout  # no earlier file: another CPU may differ
     assert data["controls"]["flip"]["broken"] == ["holds"] and data["controls"]["weak"]["survived"] == ["also"]
     table = seed_table("01_good", tmp_path)
     assert table.loc["holds", "min"] == "0.9" and table.loc["holds", "seeds"] == "2/2"
