@@ -31,6 +31,16 @@ def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.double() / temperature, dim=-1)
 
 
+def pick(logits: torch.Tensor, *, greedy: bool, temperature: float, gen: torch.Generator | None, qs: list) -> int:
+    """A model drafter's next token from its `logits` (V,): the argmax when greedy, else a sample from
+    softmax(logits / T), whose distribution q is appended to `qs` (speculative sampling needs each draft's q)."""
+    if greedy:
+        return int(logits.argmax())
+    q = probs(logits, temperature)
+    qs.append(q)
+    return int(torch.multinomial(q.cpu(), 1, generator=gen))
+
+
 class Cached:
     """A causal LM with a KV cache over a prefix of the text; `logits(ids)` returns the next-token logits at the
     last (n_new + 1) positions after syncing, where the first n_new of them follow fed-but-unchecked tokens.
@@ -80,13 +90,7 @@ class LMDrafter:
         """Up to γ draft tokens and their draft distributions q (γ, V) (None when greedy)."""
         drafts, qs, ctx = [], [], list(ids)
         for _ in range(gamma):
-            logits = self.lm.feed(ctx)[-1]
-            if greedy:
-                x = int(logits.argmax())
-            else:
-                q = probs(logits, temperature)
-                x = int(torch.multinomial(q.cpu(), 1, generator=gen))
-                qs.append(q)
+            x = pick(self.lm.feed(ctx)[-1], greedy=greedy, temperature=temperature, gen=gen, qs=qs)
             drafts.append(x)
             ctx.append(x)
         return drafts, (torch.stack(qs) if qs else None)

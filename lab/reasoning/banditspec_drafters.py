@@ -43,7 +43,7 @@ from transformers import LlamaConfig, LlamaModel
 
 from lab.core.stages import stage
 from lab.models.train import optimize
-from lab.reasoning.banditspec_decode import Arm, frequent_chain, probs
+from lab.reasoning.banditspec_decode import Arm, frequent_chain, pick
 
 # ------------------------------------------------------------------------------------------------- REST
 
@@ -187,12 +187,7 @@ class EagleDrafter:
         for _ in range(gamma):
             f_hat = self.head(f[None], torch.tensor([nxt], device=dev))[0, -1]
             logits = self.lm_head(f_hat.to(self.lm_head.weight.dtype)).float()
-            if greedy:
-                x = int(logits.argmax())
-            else:
-                q = probs(logits, temperature)
-                x = int(torch.multinomial(q.cpu(), 1, generator=gen))
-                qs.append(q)
+            x = pick(logits, greedy=greedy, temperature=temperature, gen=gen, qs=qs)
             drafts.append(x)
             f, nxt = torch.cat([f, f_hat[None]]), nxt + [x]
         return drafts, (torch.stack(qs) if qs else None)
