@@ -13,6 +13,11 @@ the action lookup one attention hop from the trace's index token T_t:
 with it the tiny CoT model of `lab.reasoning.latent_tokens` was at 50-61 % after 250 steps (seeds 0, 3, 7),
 with this one at 100 %.)
 
+A problem is (start, actions); one in `test_every` of them (a fixed hash of the problem's index, the same for every
+seed) is held out: `sample(split="train")`, what every trainer draws, never returns one, and `split="test"` returns
+only those, so evaluation problems are never seen in training (the smoke task has only 4 · 4⁵ = 4,096 problems, and
+a trainer draws ~13,000).
+
 Ids are those of `lab.models.tokenizer.word_tokenizer(task.words)` (specials first), so tensors built here
 agree with the tokenizer's text.
 """
@@ -36,6 +41,7 @@ class Automaton:
     n_actions: int = 6
     n_steps: int = 8
     seed: int = 0  # seeds the action maps (part of the task)
+    test_every: int = 5  # one problem in `test_every` is held out for evaluation
 
     @cached_property
     def perms(self) -> torch.Tensor:
@@ -60,10 +66,32 @@ class Automaton:
     def state_id(self, s: torch.Tensor) -> torch.Tensor:
         return self.ids["s0"] + s
 
-    def sample(self, n: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """`start` (n,), `actions` (n, n_steps), `states` (n, n_steps): s_t after action a_t."""
-        start = torch.randint(self.n_states, (n,), generator=generator)
-        actions = torch.randint(self.n_actions, (n, self.n_steps), generator=generator)
+    def index(self, start: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """Each problem's index in 0 .. n_states · n_actions^n_steps − 1 (start, then the actions in base n_actions)."""
+        digits = self.n_actions ** torch.arange(self.n_steps, dtype=torch.int64)
+        return start.long() * self.n_actions ** self.n_steps + (actions.long() * digits).sum(-1)
+
+    def held_out(self, start: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """True for the test problems: bits 16-31 of a multiplicative (Knuth) hash of the index, mod `test_every`."""
+        h = (self.index(start, actions) * 2654435761) % 2**32  # < 2^63 for up to ~3·10^9 problems
+        return (h >> 16) % self.test_every == 0
+
+    def sample(self, n: int, generator: torch.Generator, split: str = "train") -> dict[str, torch.Tensor]:
+        """`start` (n,), `actions` (n, n_steps), `states` (n, n_steps): s_t after action a_t; problems drawn uniformly
+        from the `split` ("train", "test": the held-out ones, or "all")."""
+        if split not in ("train", "test", "all"):
+            raise ValueError(f"split must be 'train', 'test' or 'all', not {split!r}")
+        starts, acts, got = [], [], 0
+        while got < n:
+            start = torch.randint(self.n_states, (n,), generator=generator)
+            actions = torch.randint(self.n_actions, (n, self.n_steps), generator=generator)
+            if split != "all":
+                keep = self.held_out(start, actions) == (split == "test")
+                start, actions = start[keep], actions[keep]
+            starts.append(start)
+            acts.append(actions)
+            got += len(start)
+        start, actions = torch.cat(starts)[:n], torch.cat(acts)[:n]
         states, s = [], start
         for t in range(self.n_steps):
             s = self.perms[actions[:, t], s]

@@ -10,7 +10,8 @@ quantizer is `vector_quantize_pytorch.VectorQuantize` with the straight-through 
 k-means initialisation and dead-code restart; its codebook is updated by exponential moving averages, the
 standard replacement for the ‖sg[x̄] − e‖² codebook term (van den Oord et al. 2017, App. A.1). The encoder sees the
 chunk only, so identical chunks get identical codes; the prompt enters through g(P) in the decoder. Trained on the
-chunks of the whole X = P ⊕ C ⊕ S, applied to C only (Sec. 3.1).
+L-token chunks of P, C and S, each chunked from its own start so that a trace chunk is one step (the paper chunks the
+whole X = P ⊕ C ⊕ S), applied to C only (Sec. 3.1).
 
 **Stage 2 — mixed traces** (Sec. 3.2, Fig. 3.1): for each example draw m (a multiple of L), encode the first m
 trace tokens chunk by chunk into m/r latent tokens, keep the rest as text:
@@ -66,11 +67,13 @@ class Config:
     shuffled: bool = False  # control: latent tokens replaced by random codebook ids in training
 
     @classmethod
-    def for_scale(cls, scale: str = "smoke", control: str = "") -> Config:
+    def for_scale(cls, scale: str = "smoke", control: str = "", seed: int = 0) -> Config:
+        """`seed` also seeds the automaton's action maps (`Automaton.seed`): every seed is another task."""
         cfg = cls() if scale == "smoke" else cls(task=Automaton(n_states=5, n_actions=6, n_steps=8), vq_steps=1500,
                                                  n_eval=2000, latent_steps=3000, latent_batch=32, sol_steps=3000,
                                                  icot_steps=3000,
                                                  lm=replace(cls.lm, d_model=128, n_layers=3, d_ff=256, steps=3000))
+        cfg = replace(cfg, task=replace(cfg.task, seed=seed))
         if control == "shuffled_codes":
             cfg = replace(cfg, shuffled=True)
         elif control == "no_compression":  # m text tokens -> m latent tokens (r = 1): no length reduction
@@ -210,7 +213,7 @@ def _train_vqvae(cfg: Config, seed: int) -> tuple[VQVAE, list[float]]:
 @torch.no_grad()
 def vq_report(vq: VQVAE, cfg: Config, seed: int, n: int = 500) -> dict:
     """Held-out trace chunks: token reconstruction accuracy, codebook usage histogram and perplexity."""
-    P, C, _ = cfg.task.encode(cfg.task.sample(n, torch.Generator().manual_seed(10_000 + seed)))
+    P, C, _ = cfg.task.encode(cfg.task.sample(n, torch.Generator().manual_seed(10_000 + seed), split="test"))
     ch = chunks_of(C, cfg.L)
     codes = vq.codes(ch)
     rec = vq.decode_codes(codes, P.repeat_interleave(C.shape[1] // cfg.L, 0))

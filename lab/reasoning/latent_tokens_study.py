@@ -106,7 +106,7 @@ def toy_study(cfg: lt.Config, seed: int, device: str = "cpu") -> dict:
     table = lt.code_table(vq, cfg)  # (n_steps, n_states, L/r)
     codes = tuple(table.flatten().tolist())
     runs = {m: lt.train_lm(cfg, m, seed, codes=codes, device=device) for m in ("sol", "cot", "icot", "pause", "latent")}
-    ex = task.sample(cfg.n_eval, torch.Generator().manual_seed(20_000 + seed))
+    ex = task.sample(cfg.n_eval, torch.Generator().manual_seed(20_000 + seed), split="test")
     P, C, S = task.encode(ex)
     answer, budget = task.state_id(ex["states"][:, -1]), C.shape[1] + S.shape[1] + 6
     gen = {"Sol-Only": greedy(runs["sol"].model, P, v, latent=False, max_new=budget),

@@ -3,6 +3,7 @@ scoring, each against an independent reference; the widgets; the checkpoint path
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 
@@ -33,6 +34,27 @@ def test_automaton_states_follow_the_maps_and_text_matches_the_tokenizer():
             + " ".join(f"T{t + 1} -> s{st[t]} ;" for t in range(5)) + f" ans s{st[-1]} <eos>")
     assert torch.cat([P[0], C[0], S[0]]).tolist() == tok(text, add_special_tokens=False)["input_ids"]
     assert sorted(task.perms[0].tolist()) == list(range(4))
+
+
+def test_held_out_problems_are_never_drawn_for_training():
+    task = Automaton(n_states=4, n_actions=4, n_steps=5)
+    every = [(s, a) for s in range(4) for a in itertools.product(range(4), repeat=5)]  # all 4,096
+    start, actions = torch.tensor([s for s, _ in every]), torch.tensor([a for _, a in every])
+    assert sorted(task.index(start, actions).tolist()) == list(range(4096))  # a bijection onto 0..4095
+    test = {(int(s), tuple(a.tolist())) for s, a, h in zip(start, actions, task.held_out(start, actions)) if h}
+    assert 0.17 < len(test) / 4096 < 0.23  # about one in five
+    g = torch.Generator().manual_seed(0)
+    drawn = {split: task.sample(3000, g, split=split) for split in ("train", "test", "all")}
+    as_set = lambda ex: {(int(s), tuple(a.tolist())) for s, a in zip(ex["start"], ex["actions"])}
+    assert not as_set(drawn["train"]) & test and as_set(drawn["test"]) <= test
+    assert len(as_set(drawn["all"]) & test) > 300 and len(drawn["test"]["start"]) == 3000
+    with pytest.raises(ValueError, match="split"):
+        task.sample(1, g, split="val")
+
+
+def test_the_seed_draws_the_automaton():
+    assert lt.Config.for_scale("smoke", seed=3).task.seed == 3
+    assert not torch.equal(lt.Config.for_scale("smoke", seed=3).task.perms, lt.Config.for_scale("smoke").task.perms)
 
 
 def test_chunks_of_pads_the_last_chunk():
