@@ -230,7 +230,8 @@ def test_params_lists_each_knob_with_its_default_limits_and_meaning_and_the_cont
     lines = proc.stdout.splitlines()
     i = lines.index("  s = 0.33  [0 < s < 1; 2 * s < 1 + k; s <= 0.4 or 2 * k * s < 1 + k]")
     assert lines[i + 1].strip() == "target sparsity of all parameters (embeddings included)"
-    assert "  seed = 0" in lines and any(line.startswith("  control 'no_lc' must break: LC residual") for line in lines)
+    assert "  seed = 0" in lines
+    assert any(line.startswith("  control 'shuffled_lc' must break: LC residual of E") for line in lines)
     bad = lab("params", "nope", nbdir=ROOT / "notebooks")
     assert bad.returncode == 2 and "no notebook named 'nope'" in bad.stderr
 

@@ -8,7 +8,8 @@ and reads the FFN's (normalised) input x (the paper's architecture lever):
 
 with σ = SiLU (a GLU block), a scalar block gate per token (`gate_dim="vector"`: g ∈ R^d, elementwise), W_o = 0
 at initialisation (the model is the backbone exactly at step 0) and W_i, W_g, w drawn from N(0, 1/(d·L)) — the
-"low-variance" init instead of He's 2/d (the training-procedure lever). Training mixes a fraction p of
+"low-variance" init instead of He's 2/d (the training-procedure lever; low next to nn.Linear's default 1/(3d) only
+when L > 3: at the toy's d = 64, L = 2 it is 1.5× that default). Training mixes a fraction p of
 original-domain data into the new-domain data (the data lever; p = 0.1) and adds the local sparsity loss on
 original-domain tokens only:
 

@@ -202,7 +202,8 @@ def study(cfg: Config, seed: int, device: str = "cpu") -> dict:
     arms |= {(m, cfg.lr, p): cfg.arm(m, p=p) for m in METHODS for p in (0.0,)}
     arms |= {("NR", cfg.lr, p): cfg.arm("NR", p=p) for p in cfg.ps}
     arms |= {("NR, sigmoid + BCE", cfg.lr, cfg.p): cfg.arm("NR", gate="sigmoid", aux="bce"),
-             ("NR, no gate + ℓ1", cfg.lr, cfg.p): cfg.arm("NR", gate="none")}
+             ("NR, no gate + ℓ1", cfg.lr, cfg.p): cfg.arm("NR", gate="none"),
+             ("NR, nn.Linear init", cfg.lr, cfg.p): cfg.arm("NR", init="default")}
     models, keep = {}, {}
     for key, arm in arms.items():
         runs[key] = run_arm(base, cfg, arm, sets, seed, device, streams, keep)

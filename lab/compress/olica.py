@@ -5,7 +5,7 @@ He & Lin, "Olica: Efficient Structured Pruning of Large Language Models without 
 Conventions follow the official code where it is more specific than the paper's text:
 
 - **Fast OND** (Sec. 3.2, `fast_OND`): per head h, A = diag(√e_out)·W_o^h with e_out the o_proj output energies;
-  SVD(A) = U S Qᵀ; W_v^h ← Q W_v^h and W_o^h ← diag(1/√e_out)·U S. The product W_o^h W_v^h is unchanged (an exact
+  SVD(A) = U S Qᵀ; W_v^h ← Qᵀ W_v^h and W_o^h ← diag(1/√e_out)·U S. The product W_o^h W_v^h is unchanged (an exact
   re-parameterisation); the new value neurons are orthogonal in the output-energy norm and sorted by S.
   **Full OND** (the paper's PCA of the d×d product): SVD of diag(√e_out) W_o^h W_v^h diag(√e_in), kept at rank d_h.
 - **V/O pruning**: neuron j scored I_j = ‖Ŵ_v[j]⊙√s_vin‖ + ‖Ŵ_o[:, j]‖·√s_oin_j; every head keeps the same count.
@@ -56,7 +56,7 @@ from lab.compress.olica_capture import block_inputs, energy, run_block, stats, t
 from lab.compress.pruned_llama import OlicaLlamaConfig, OlicaLlamaForCausalLM, param_table  # noqa: F401 (registers)
 from lab.models.spec import TinyLM
 
-CONTROLS = ("random", "no_lc")
+CONTROLS = ("random", "shuffled_lc")
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class Recipe:
     ffn: str = "olica"
     lc: bool = True
     compensate: bool = False
+    lc_pairs: str = "matched"  # "shuffled" (control `shuffled_lc`): the LC fit sees E's rows permuted against X's
 
 
 METHODS = {"Olica (Fast-OND + LC)": Recipe(), "Fast-OND (no LC)": Recipe(lc=False),
@@ -92,26 +93,32 @@ class Config:
     k: float = 3.0  # sr_allocation
     mlp_num: int = 3  # calibrated FFN layers (all but the last; official default 6 of 32)
     lc_ratio: float = 0.1  # LC rank r = ⌊ratio·d⌋ (official default 0.03; the paper also reports 0.15)
-    percdamp: float = 0.5
+    # The official λ = percdamp·mean diag(XᵀX)/((n/128)(L/128)) is a fixed multiple of the mean per-token energy: its
+    # default 0.5 at the official 256 × 128 calibration tokens gives λ = 0.25·mean diag(XᵀX). At the toy's 32 × 64 the
+    # same 0.5 would damp 16× as hard relative to XᵀX (4·mean diag), so `for_scale` sets percdamp = 0.5·nL/(256·128):
+    # the official relative strength at `n_calib` sequences; the 4-sequence variant keeps that λ (relative 2.0), as the
+    # official formula does when calibration shrinks.
+    percdamp: float = 0.5 * 32 * 64 / (256 * 128)
     vo_keep: float = 0.5  # per-head keep ratio of the V/O error comparison
     method: str = "Olica (Fast-OND + LC)"  # what the claims call Olica (control `random`: the random baseline)
     ond: str = "fast"  # rotation of the V/O error comparison (control `random`: none, random neurons)
     ond_score: str = "olica"
-    lc: bool = True  # control `no_lc`: the LC term is dropped from Olica
+    lc_pairs: str = "matched"  # control `shuffled_lc`: Olica's LC fitted with E's rows permuted against X's
     seqlen: int = 64
 
     @classmethod
     def for_scale(cls, scale: str = "smoke", control: str = "") -> Config:
         if control and control not in CONTROLS:
             raise ValueError(f"unknown control {control!r}; use one of {', '.join(CONTROLS)}.")
-        cfg = cls() if scale == "smoke" else cls(model=replace(cls().model, steps=2000), n_calib=128, n_eval=512)
+        cfg = cls() if scale == "smoke" else cls(model=replace(cls().model, steps=2000), n_calib=128, n_eval=512,
+                                                 percdamp=0.5 * 128 * 64 / (256 * 128))
         if control == "random":
             cfg = replace(cfg, method="random", ond="none", ond_score="random")
-        return replace(cfg, lc=control != "no_lc")
+        return replace(cfg, lc_pairs="shuffled" if control == "shuffled_lc" else "matched")
 
     def recipe(self, name: str) -> Recipe:
         r = METHODS[name]
-        return replace(r, lc=r.lc and self.lc) if name == self.method else r
+        return replace(r, lc_pairs=self.lc_pairs) if name == self.method else r
 
 
 # ------------------------------------------------------------------------------------------ the decompositions
@@ -192,7 +199,7 @@ def make_plan(model: nn.Module, s: float, k: float, lc_layers=(), lc_ratio: floa
     d, H, L, F = c.hidden_size, c.num_attention_heads, c.num_hidden_layers, c.intermediate_size
     dh = d // H
     s_qk, s_vp = sr_allocation(s, k)
-    r, dv, r_lc = math.ceil((1 - s_qk) * d / 2), round((1 - s_vp) * dh), int(lc_ratio * d)
+    r, dv, r_lc = math.ceil((1 - s_qk) * d / 2), dh - int(s_vp * dh), int(lc_ratio * d)  # d_v: official rounding
     if r < 1 or dv < 1:
         from lab.core.params import ParamError
 
@@ -247,7 +254,7 @@ def prune(model: nn.Module, calib: torch.Tensor, s: float, recipe: Recipe, cfg: 
     plan = make_plan(model, s, cfg.k, sorted(order[:cfg.mlp_num]) if recipe.lc else (), cfg.lc_ratio)
     x, kw = block_inputs(m, calib)
     xe, kwe = block_inputs(m, held_out) if held_out is not None else (None, None)
-    lc_res = {}
+    lc_res, lc_var = {}, {}
     for i, b in enumerate(blocks):  # pass 2: the pruned upstream stream
         a, f = b.self_attn, b.mlp
         with taps({"v": a.v_proj, "o": a.o_proj, "mlp": f, "mid": f.down_proj}) as t:
@@ -272,8 +279,11 @@ def prune(model: nn.Module, calib: torch.Tensor, s: float, recipe: Recipe, cfg: 
         keep = ops.ffn_keep(scores_ffn, plan.d_ff, 0.01 if recipe.ffn == "olica" else 0.0)
         ops.prune_ffn(f, keep, st["mid"][0] if recipe.compensate else None)
         if i in plan.lc_layers:
-            W = ridge(X, dense(X) - f(X), cfg.percdamp, n, T)
-            w1, w2, _ = lc_factors(X, dense(X) - f(X), W, plan.r_lc)
+            E = dense(X) - f(X)
+            if recipe.lc_pairs == "shuffled":  # control: the same fit with nothing of E's pairing with X left
+                E = E[torch.randperm(len(E), generator=g, device="cpu").to(E.device)]
+            W = ridge(X, E, cfg.percdamp, n, T)
+            w1, w2, _ = lc_factors(X, E, W, plan.r_lc)
             f.lc = om.low_rank(X.shape[1], plan.r_lc, X.shape[1]).to(X.device, X.dtype)
             f.lc[0].weight.copy_(w1.T), f.lc[1].weight.copy_(w2.T)
             if xe is not None:
@@ -281,8 +291,11 @@ def prune(model: nn.Module, calib: torch.Tensor, s: float, recipe: Recipe, cfg: 
                     run_block(b, xe, kwe)
                 Xe = te["mlp"][0].flatten(0, -2)
                 E = dense(Xe) - (te["mlp"][1].flatten(0, -2) - f.lc(Xe))
-                lc_res[i] = ((E - f.lc(Xe)).norm() / E.norm()).item()
+                R = E - f.lc(Xe)  # what LC leaves; centred: the share of E's variation (beyond its mean) left
+                lc_res[i] = (R.norm() / E.norm()).item()
+                lc_var[i] = ((R - R.mean(0)).norm() / (E - E.mean(0)).norm()).item()
         x = run_block(b, x, kw)
         xe = run_block(b, xe, kwe) if xe is not None else None
     om.sync_config(m)
-    return m.eval(), {"plan": plan, "layer_scores": scores, "lc_residual": lc_res, "seconds": time.perf_counter() - t0}
+    return m.eval(), {"plan": plan, "layer_scores": scores, "lc_residual": lc_res, "lc_residual_centred": lc_var,
+                       "seconds": time.perf_counter() - t0}

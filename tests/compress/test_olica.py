@@ -48,12 +48,13 @@ def test_full_ond_keeps_every_head_product():
 
 
 def test_a_sparsity_that_leaves_a_head_no_neuron_is_one_sentence():
-    """s = 0.74 at k = 0.5 meets 2s < 1 + k (lab.papers' limit) but leaves 0.013 of a head's 8 V/O neurons: refused
-    by the plan, not by a zero-width Linear mid-run."""
+    """Within lab.papers' limit 2s < 1 + k the official rounding d_v = d_h − ⌊s_vp·d_h⌋ keeps a neuron (s = 0.74,
+    k = 0.5: one of 8); a call past it (s = 0.8: s_vp > 1) is refused by the plan, not by a zero-width Linear."""
     from lab.core.params import ParamError
 
+    assert ol.make_plan(_tiny(), 0.74, 0.5).d_v == 1
     with pytest.raises(ParamError, match="no V/O neuron per head at this model's hidden 32 and head dim 8"):
-        ol.make_plan(_tiny(), 0.74, 0.5)
+        ol.make_plan(_tiny(), 0.8, 0.5)
     assert ol.make_plan(_tiny(), 0.33, 3.0).d_v >= 1
 
 
@@ -183,7 +184,7 @@ def test_parameter_counts_match_the_hand_computed_plan(name):
     pruned, info = ol.prune(m, torch.randint(1, V, (4, 16)), 0.3, cfg.recipe(name), cfg)
     p = info["plan"]
     s_qk, s_vp = 0.6, 0.15
-    assert p.r_qk == math.ceil((1 - s_qk) * d / 2) and p.d_v == round((1 - s_vp) * 8) and p.r_lc == 3
+    assert p.r_qk == math.ceil((1 - s_qk) * d / 2) and p.d_v == 8 - int(s_vp * 8) and p.r_lc == 3
     hand = 2 * V * d + d + L * (2 * d + 2 * 2 * p.r_qk * d + 2 * d * H * p.d_v + 3 * d * p.d_ff)
     hand += 2 * d * p.r_lc * len(p.lc_layers) + (2 * d * L if cfg.recipe(name).compensate else 0)  # FLAP's biases
     assert om.n_params(pruned) == hand
@@ -320,8 +321,10 @@ def test_config_for_scale_and_controls():
     assert ol.Config.for_scale("smoke").method == "Olica (Fast-OND + LC)"
     rnd = ol.Config.for_scale("smoke", "random")
     assert rnd.method == "random" and rnd.ond == "none" and rnd.recipe(rnd.method).vo == "random"
-    no_lc = ol.Config.for_scale("smoke", "no_lc")
-    assert not no_lc.recipe(no_lc.method).lc and ol.Config().recipe("Olica (Fast-OND + LC)").lc
+    sh = ol.Config.for_scale("smoke", "shuffled_lc")
+    assert sh.recipe(sh.method).lc_pairs == "shuffled" and sh.recipe(sh.method).lc
+    assert ol.Config().recipe("Olica (Fast-OND + LC)").lc_pairs == "matched"
+    assert sh.recipe("Wanda-sp").lc_pairs == "matched"
     with pytest.raises(ValueError, match="unknown control"):
         ol.Config.for_scale("smoke", "nope")
 

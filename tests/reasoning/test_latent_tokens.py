@@ -52,11 +52,6 @@ def test_held_out_problems_are_never_drawn_for_training():
         task.sample(1, g, split="val")
 
 
-def test_the_seed_draws_the_automaton():
-    assert lt.Config.for_scale("smoke", seed=3).task.seed == 3
-    assert not torch.equal(lt.Config.for_scale("smoke", seed=3).task.perms, lt.Config.for_scale("smoke").task.perms)
-
-
 def test_chunks_of_pads_the_last_chunk():
     x = torch.tensor([[1, 2, 3, 4, 5, 6]])
     assert lt.chunks_of(x, 4, pad=0).tolist() == [[1, 2, 3, 4], [5, 6, 0, 0]]
