@@ -114,6 +114,15 @@ def permute_copies(model: nn.Module, n_base: int, generator: torch.Generator) ->
     return new
 
 
+@torch.no_grad()
+def top2_one_group(st: Study) -> list[float]:
+    """Per MoE layer, the share of calibration tokens whose two top-k picks (router logits) are both in one true
+    group: in scenario B, where each copy also copies its router row, most tokens send both slots to one pair."""
+    truth = torch.as_tensor(st.truth)
+    picks = [(x @ m.gate.weight.T).topk(2, -1).indices for m, x in zip(moe_blocks(st.model), st.xs)]
+    return [(truth[i[:, 0]] == truth[i[:, 1]]).float().mean().item() for i in picks]
+
+
 def toy_studies(cfg: hc.Config, seed: int = 0, device: str = "cpu", quiet: bool | None = None) -> dict[str, Study]:
     """Scenarios A, B, C on permutation chains: trained (or loaded from the cache), with calibration and held-out
     sequences from one generator (1000 + seed). Also returns the training runs under key "runs" of `.info`."""

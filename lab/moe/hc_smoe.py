@@ -46,7 +46,8 @@ FEATURES = ("output", "router", "weight")
 CONTROLS = {  # the substitutions a skeptic would make; the notebook declares which claims each must break
     "random_groups": "HC-SMoE's clusters replaced by random groups of the same sizes (the merge is unchanged)",
     "weight_features": "expert-output features o_j replaced by the experts' flattened weights (W_gate, W_up, W_down)",
-    "no_alignment": "scenario C merged by plain frequency-weighted averaging where the notebook aligns neurons first",
+    "random_alignment": "scenario C's alignment step permutes each member's neurons at random instead of matching them "
+                        "to the most used member's (Hungarian): the same merge with the matching left out",
 }
 
 
@@ -79,7 +80,7 @@ class Config:
     n_random: int = 20  # random groupings / k-means++ runs averaged (5 left the random-groups mean noisy)
     feature: str = "output"  # "weight" under the `weight_features` control
     method: str = "hierarchical"  # "random" under the `random_groups` control
-    align: bool = True  # neuron alignment in "HC-SMoE + neuron alignment"; False under `no_alignment`
+    align: str = "matched"  # neuron alignment in "HC-SMoE + neuron alignment"; "random" under `random_alignment`
 
     @classmethod
     def for_scale(cls, scale: str, control: str = "") -> Config:
@@ -89,7 +90,8 @@ class Config:
         control = check_control(control)
         sizes = {} if scale == "smoke" else dict(steps=1000, ft_steps=200, n_seq=128)
         return cls(**sizes, feature="weight" if control == "weight_features" else "output",
-                   method="random" if control == "random_groups" else "hierarchical", align=control != "no_alignment")
+                   method="random" if control == "random_groups" else "hierarchical",
+                   align="random" if control == "random_alignment" else "matched")
 
 
 # ------------------------------------------------------------------------ step 1-2: frequencies and features
@@ -192,24 +194,33 @@ def align_neurons(anchor: tuple[Tensor, ...], other: tuple[Tensor, ...]) -> tupl
         return torch.cat([Wg, Wu, Wd.T], 1).double().cpu().numpy()  # (F, 3H)
 
     _, perm = linear_sum_assignment(rows(*anchor) @ rows(*other).T, maximize=True)
-    perm = torch.as_tensor(perm, device=other[0].device)
-    Wg, Wu, Wd = other
+    return permuted(other, torch.as_tensor(perm))
+
+
+def permuted(w: tuple[Tensor, ...], perm: Tensor) -> tuple[Tensor, ...]:
+    """An expert's (W_gate, W_up, W_down) with its intermediate neurons reordered: rows of W_gate, W_up, columns of
+    W_down."""
+    Wg, Wu, Wd = w
+    perm = perm.to(Wg.device)
     return Wg[perm], Wu[perm], Wd[:, perm]
 
 
-def merge_cluster(ws: list[tuple[Tensor, ...]], f: Tensor, *, align: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def merge_cluster(ws: list[tuple[Tensor, ...]], f: Tensor, *, align: bool | str = False
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """Ŵ = Σ_j f_j W_j / Σ_j f_j for W_gate, W_up, W_down of the members `ws` with frequencies f (|C|,);
-    uniform weights when no member is ever routed; `align`: members' neurons matched to the most used one first."""
+    uniform weights when no member is ever routed; `align` (True or "matched"): members' neurons matched to the most
+    used one first; "random" (a control): the other members' neurons permuted at random instead (a fixed seed)."""
     f = f.double()
     a = (f / f.sum()) if f.sum() > 0 else torch.full_like(f, 1 / len(f))
     if align:
-        anchor = ws[int(f.argmax())]
-        ws = [align_neurons(anchor, w) for w in ws]
+        j0, g = int(f.argmax()), torch.Generator().manual_seed(0)
+        ws = [w if j == j0 else permuted(w, torch.randperm(w[0].shape[0], generator=g)) if align == "random"
+              else align_neurons(ws[j0], w) for j, w in enumerate(ws)]
     return tuple(sum(a_j.item() * w[i].double() for a_j, w in zip(a, ws)).to(ws[0][i].dtype) for i in range(3))
 
 
 @torch.no_grad()
-def merged_experts(mlp: nn.Module, labels, f: Tensor, *, align: bool = False) -> tuple[Tensor, Tensor]:
+def merged_experts(mlp: nn.Module, labels, f: Tensor, *, align: bool | str = False) -> tuple[Tensor, Tensor]:
     """The r merged experts of one block as fused tensors: gate_up (r, 2F, H), down (r, H, F)."""
     labels = np.asarray(labels)
     out = []
@@ -239,7 +250,7 @@ def n_experts_key(config) -> str:
 
 
 @torch.no_grad()
-def aliased(model: nn.Module, labels: list, freqs: list[Tensor], *, align: bool = False) -> nn.Module:
+def aliased(model: nn.Module, labels: list, freqs: list[Tensor], *, align: bool | str = False) -> nn.Module:
     """The merged model as published (official module aliasing): a copy whose every expert slot j ∈ C holds Ŵ_C,
     router unchanged — gates of top-k picks in one cluster add. Same size as `model`; r unique experts a layer."""
     new = copy.deepcopy(model)
@@ -270,7 +281,7 @@ def shrink(model: nn.Module, gate_up: list[Tensor], down: list[Tensor], router: 
     return new.eval()
 
 
-def smaller(model: nn.Module, labels: list, freqs: list[Tensor], *, align: bool = False) -> nn.Module:
+def smaller(model: nn.Module, labels: list, freqs: list[Tensor], *, align: bool | str = False) -> nn.Module:
     """The really smaller merged model: r merged experts and r frequency-weighted router rows per layer."""
     mlps = moe_blocks(model)
     ex = [merged_experts(m, lab, f, align=align) for m, lab, f in zip(mlps, labels, freqs)]

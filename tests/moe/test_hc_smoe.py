@@ -226,6 +226,27 @@ def test_alignment_recovers_a_permuted_copy():
     aligned = hc.merge_cluster([(Wg, Wu, Wd), other], f, align=True)
     plain = hc.merge_cluster([(Wg, Wu, Wd), other], f)
     assert torch.allclose(aligned[0], Wg, atol=1e-6) and not torch.allclose(plain[0], Wg, atol=1e-2)
+    rnd = hc.merge_cluster([(Wg, Wu, Wd), other], f, align="random")  # the control: a random permutation, seed 0
+    q = torch.randperm(16, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(rnd[2], 0.5 * Wd + 0.5 * other[2][:, q], atol=1e-6)
+    assert not torch.allclose(rnd[2], Wd, atol=1e-2)
+
+
+def test_top2_one_group_counts_tokens_whose_two_picks_share_a_group(model, ids):
+    st = hm.make_study("m", model, ids, {"input_ids": ids}, truth=np.array([0, 0, 1, 1]))
+    n_exp = model.config.num_local_experts
+    assert n_exp == 4
+    want = []
+    for m, x in zip(blocks.moe_blocks(model), st.xs):  # naive: sort each token's logits by hand
+        hits = 0
+        for row in (x @ m.gate.weight.T).tolist():
+            a, b = sorted(range(n_exp), key=lambda j: -row[j])[:2]
+            hits += st.truth[a] == st.truth[b]
+        want.append(hits / len(x))
+    assert np.allclose(hm.top2_one_group(st), want)
+    up = hm.make_study("up", hm.upcycle(model, 2, 0.0, torch.Generator()), ids, {"input_ids": ids},
+                       truth=np.arange(8) % 4)  # exact copies, router rows too: both picks always one pair
+    assert hm.top2_one_group(up) == [1.0] * len(up.xs)
 
 
 def test_permuted_copies_compute_the_same_function(model, ids):
@@ -267,7 +288,7 @@ def test_config_controls():
     assert hc.Config.for_scale("smoke").method == "hierarchical"
     assert hc.Config.for_scale("smoke", "random_groups").method == "random"
     assert hc.Config.for_scale("smoke", "weight_features").feature == "weight"
-    assert not hc.Config.for_scale("smoke", "no_alignment").align
+    assert hc.Config.for_scale("smoke", "random_alignment").align == "random" and hc.Config().align == "matched"
     with pytest.raises(ValueError):
         hc.Config.for_scale("smoke", "nonsense")
 
