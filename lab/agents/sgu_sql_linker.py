@@ -112,6 +112,13 @@ def train_linker(graphs: list[Graph], labels: list[tuple], n_vocab: int, *, step
     return model.eval()
 
 
+def untrained_copy(model: DualGraphLinker, seed: int) -> DualGraphLinker:
+    """The same architecture at a fresh seeded initialisation, no training step (the `untrained_linker` control)."""
+    torch.manual_seed(seed)
+    return DualGraphLinker(model.word.num_embeddings, model.word.embedding_dim, len(model.layers),
+                           model.pos.num_embeddings).eval()
+
+
 @torch.no_grad()
 def predict(model: DualGraphLinker, graphs: list[Graph], chunk: int = 256) -> list[tuple[list[float], list[float]]]:
     """Per graph: probabilities of its candidate pairs and of its tables."""

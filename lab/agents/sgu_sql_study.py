@@ -177,20 +177,32 @@ def score(item: sw.Item, db: Path, result: dict) -> dict:
             "error": "" if ok else ("invalid" if why else error_kind(result["sql"], item.sql))}
 
 
-CONTROL_ARM = {"no_linker": "no_linker", "direct_generation": "direct"}  # what the SGU arm becomes under a control
+CONTROLS = {  # what a skeptic would change inside the SGU arm (the other arms run as they are)
+    "untrained_linker": "the SGU arm links with the linker at its initialisation (no training step): the same graph "
+                        "network and threshold, links that learned nothing",
+    "whole_query_clauses": "the SGU arm's writer answers each clause prompt from its whole-query skeleton prediction "
+                           "(the direct prompt's classifier) instead of that clause's: the same steps, prompts and "
+                           "links, without per-clause predictions",
+}
 
 
 def run_arms(world: World, writer, linker, vocab, arms=ARMS, control: str = "", seed: int = 0,
              backend=None, items: list[sw.Item] | None = None) -> dict[str, list[dict]]:
     """Every arm on every held-out question (or `items`): the generated SQL, its steps and its scores. With the
     offline writer each arm is a cached stage, so a control recomputes nothing it does not change."""
+    if control and control not in CONTROLS:
+        raise ValueError(f"unknown control {control!r}; use one of {', '.join(CONTROLS)}")
     out = {}
     for a in arms:
-        arm = CONTROL_ARM.get(control, a) if a == "sgu" else a
+        w, lk = writer, linker
+        if a == "sgu" and control == "untrained_linker":
+            lk = sl.untrained_copy(linker, seed)
+        elif a == "sgu" and control == "whole_query_clauses" and writer is not None:
+            w = writer.whole_query_clauses()
         if backend is None and items is None:
-            out[a] = run_arm(world, writer, linker, vocab, arm, seed)
+            out[a] = run_arm(world, w, lk, vocab, a, seed)
         else:
-            out[a] = _run_arm(world, writer, linker, vocab, arm, seed, backend, items)
+            out[a] = _run_arm(world, w, lk, vocab, a, seed, backend, items)
     return out
 
 
@@ -233,7 +245,7 @@ def errors(runs: dict[str, list[dict]]) -> dict[str, Counter]:
 
 def linker_quality(world: World, linker, vocab) -> dict[str, float]:
     """Held-out column-link precision/recall, and accuracy on ambiguous words (the right table among several)."""
-    tp = fp = fn = amb_ok = amb_n = 0
+    tp = fp = fn = amb_ok = amb_n = rule_ok = 0
     graphs = [sg.build_graph(sw.tokenize(it.question), world.schemas[it.db_id], vocab) for it in world.test]
     for it, g, pr in zip(world.test, graphs, sl.predict(linker, graphs), strict=True):
         got = set(sg.link(g, world.schemas[it.db_id], pr)["columns"])
@@ -244,8 +256,27 @@ def linker_quality(world: World, linker, vocab) -> dict[str, float]:
             if len(cands) > 1 and it.tokens[i].role[:1] == ("col",):
                 amb_n += 1
                 amb_ok += max(cands)[1] == tuple(it.tokens[i].role[1:])
+                rule = max((tuple(f[:2].tolist()), g.nodes[j][1:]) for (k, j), f in zip(g.pairs, g.pair_feats,
+                                                                                        strict=True) if k == i)
+                rule_ok += rule[1] == tuple(it.tokens[i].role[1:])
     return {"precision": tp / max(tp + fp, 1), "recall": tp / max(tp + fn, 1),
-            "ambiguous_word_accuracy": amb_ok / max(amb_n, 1), "ambiguous_words": amb_n}
+            "ambiguous_word_accuracy": amb_ok / max(amb_n, 1), "ambiguous_words": amb_n,
+            "ambiguous_word_accuracy, rule on two pair features": rule_ok / max(amb_n, 1)}
+
+
+def unseen_skeletons(world: World) -> dict[str, float]:
+    """Share of the held-out hard+extra questions whose whole-query skeleton (`sgu_sql_writer.skeleton`, all six
+    clauses) never occurs in training, and whose skeleton has a clause label never seen in training: the offline
+    writer's direct prompt cannot write the first kind (one label per whole query), its clause prompts the second."""
+    from lab.agents import sgu_sql_writer as wr
+
+    seen = [wr.skeleton(it) for it in world.train]
+    whole = {tuple(s[c] for c in sg.SYNTAX_ORDER) for s in seen}
+    per = {c: {s[c] for s in seen} for c in sg.SYNTAX_ORDER}
+    hard = [wr.skeleton(it) for it in world.test if it.hardness in HARD]
+    n = max(len(hard), 1)
+    return {"whole query unseen": sum(tuple(s[c] for c in sg.SYNTAX_ORDER) not in whole for s in hard) / n,
+            "a clause unseen": sum(any(s[c] not in per[c] for c in sg.SYNTAX_ORDER) for s in hard) / n}
 
 
 def ask(world: World, backend, linker, vocab, db_id: str, question: str) -> dict:

@@ -17,6 +17,7 @@ toy's assumptions:
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 from collections import Counter
@@ -157,6 +158,7 @@ class ClauseWriter:
         self.clause = {c: fit([lab[c] for lab in labels]) for c in sg.SYNTAX_ORDER}
         self.whole = fit([" | ".join(lab[c] for c in sg.SYNTAX_ORDER) for lab in labels])
         self.memo: dict[tuple[str, str], str] = {}
+        self.from_whole = False  # True in the view `whole_query_clauses` returns
 
     def _predict(self, masked: str, clause: str) -> str:
         if (masked, clause) not in self.memo:
@@ -164,8 +166,15 @@ class ClauseWriter:
             self.memo[masked, clause] = str(model.predict(self.vec.transform([masked]))[0])
         return self.memo[masked, clause]
 
-    def __stage_key__(self) -> str:  # what it was trained on (its answer memo is not part of its identity)
-        return self._key
+    def __stage_key__(self) -> str | tuple:  # what it was trained on (its answer memo is not part of its identity)
+        return (self._key, "whole_query_clauses") if getattr(self, "from_whole", False) else self._key
+
+    def whole_query_clauses(self) -> ClauseWriter:
+        """A view of this writer that answers a clause prompt with that clause of its whole-query skeleton prediction
+        (the `whole_query_clauses` control): decomposition's steps without per-clause predictions."""
+        view = copy.copy(self)
+        view.from_whole, view.memo = True, {}
+        return view
 
     def prime(self, masked: list[str]) -> None:
         """Predict every clause (and the whole query) for many masked questions at once (the memo answers later)."""
@@ -174,7 +183,7 @@ class ClauseWriter:
             self.memo.update({(m, c): str(y) for m, y in zip(masked, model.predict(X), strict=True)})
 
     def labels(self, masked: str, clause: str) -> dict[str, str]:
-        if clause == "query":
+        if clause == "query" or getattr(self, "from_whole", False):  # (a writer cached before the flag has none)
             return dict(zip(sg.SYNTAX_ORDER, self._predict(masked, "query").split(" | "), strict=True))
         return {c: self._predict(masked, c) for c in sg.SYNTAX_ORDER}
 

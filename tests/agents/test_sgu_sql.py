@@ -156,6 +156,32 @@ def test_linker_learns_to_resolve_ambiguous_names(tmp_path):
     assert q["ambiguous_words"] > 50 and q["ambiguous_word_accuracy"] > 0.9 and q["recall"] > 0.9
 
 
+def test_controls_change_only_the_sgu_arm_and_unseen_skeletons_count_by_hand(tmp_path):
+    cfg = st.Config.for_scale("smoke", per_domain_train=30, per_domain_test=10, linker_steps=20)
+    world = st.build_world(cfg, 0, tmp_path)
+    linker, vocab = st.train_linker(world, cfg, 0)
+    fresh = sl.untrained_copy(linker, 3)  # the architecture at a seeded initialisation: same shapes, other weights
+    assert all(a.shape == b.shape for a, b in zip(fresh.state_dict().values(), linker.state_dict().values()))
+    assert any(not torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), linker.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                  sl.untrained_copy(linker, 3).state_dict().values()))
+    writer = wr.train_writer(world.train, world.schemas, cfg.C)
+    view = writer.whole_query_clauses()
+    masked = " ".join(wr.mask(sw.tokenize(world.test[0].question), world.schemas[world.test[0].db_id])[0])
+    assert view.labels(masked, "where") == writer.labels(masked, "query") and not writer.from_whole
+    assert writer.__stage_key__() != view.__stage_key__()
+    few = st.subset(world, world.test[:6])
+    base = st.run_arms(few, writer, linker, vocab, ("direct", "sgu"), "", 0, items=few.test)
+    ctl = st.run_arms(few, writer, linker, vocab, ("direct", "sgu"), "untrained_linker", 0, items=few.test)
+    assert [r["sql"] for r in ctl["direct"]] == [r["sql"] for r in base["direct"]]
+    with pytest.raises(ValueError, match="unknown control"):
+        st.run_arms(few, writer, linker, vocab, ("sgu",), "no_linker", 0, items=few.test)
+    whole = lambda it: "|".join(wr.skeleton(it)[c] for c in sg.SYNTAX_ORDER)  # brute force over the train set
+    hard = [it for it in world.test if it.hardness in st.HARD]
+    want = sum(all(whole(it) != whole(t) for t in world.train) for it in hard) / len(hard)
+    assert st.unseen_skeletons(world)["whole query unseen"] == pytest.approx(want)
+
+
 @pytest.mark.notebook
 def test_checkpoint_and_spider_folder(tmp_path, concerts):
     """model=<folder> drives the same loop with a saved tiny Llama (its answers are recorded failures) and
