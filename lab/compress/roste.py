@@ -122,7 +122,7 @@ class Config:
     n_digits: int = 6
     outlier: float = 50.0  # the massive activation: + outlier on one residual channel of every embedding
     outlier_channel: int = 5
-    embed_std: float = 0.5  # token embeddings ~ N(0, 1): the outlier is `outlier`× a typical channel
+    embed_std: float = 0.5  # token embeddings ~ N(0, 0.5²): the outlier is `outlier` / 0.5 = 100× a typical channel
     pre_op: str = "rot0"  # pre-training task: COPY
     sft_op: str = "rot1"  # SFT task: ROT1
     pre_steps: int = 800
