@@ -21,6 +21,13 @@ limit 1/2); a p-value of exactly 0 or > 1 is a failed test with its reason, neve
 branch (`relevance_checker=False`) crashes on a missing design log there — here the relevance judge is optional
 (`judge=None`). The null data are built by column-wise permutation with a fresh generator per column
 (`lab.agents.popper_study.permute_columns`), not the code's `permute_selected_columns` seed schedule.
+
+The prompts (`DESIGN_PROMPT`, `RELEVANCE_PROMPT`, used only when a real LLM plays the agents) are this lab's short
+forms, not the official `prompt_utils.py` texts: the relevance rubric here defines 1.0 by assumption A1 and reads the
+whole proposal (code included), where the official rubric anchors six levels on evidence strength, mechanistic link
+and predictive value and reads the proposal's name, description and null/alternative; the designer's STATE line
+names the hypothesis's implications (what the template agent reads) and omits the earlier p-values the official
+designer sees. A real LLM gets `llm_max_failed` = 2 failed rounds and no executor retry (official: 10 and 5).
 """
 
 from __future__ import annotations
