@@ -12,8 +12,10 @@ router softmax (Sec. 2). HC-SMoE reduces the n experts of every layer to r, per 
    d(A, B) = Σ_{a∈A, b∈B} ||o_a − o_b|| / (|A||B|) until r clusters remain (Sec. 3.2) — scipy `linkage` +
    `fcluster`. The official `hierarchical_clustering` is a hand-written loop; its "complete" branch merges the
    pair of largest distance (argmax), which is not complete linkage — scipy's correct one is used here. The
-   shipped scripts pass `--cluster hirarchical` (sic), which falls through to k-means++ with a random first
-   centre: `cluster(..., method="kmeans")` reproduces that path;
+   shipped scripts pass `--cluster hirarchical` (sic), which falls through to the official k-means (its own
+   k-means++ seeding, assignment by per-centre z-scored distances, at most 100 iterations, no guard against empty
+   clusters); `cluster(..., method="kmeans")` is scikit-learn's k-means++ on Euclidean distances, a stand-in for
+   that path, not a port of it;
 4. frequency-weighted merging inside each cluster C, for W_gate, W_up, W_down alike (Sec. 3.3):
    Ŵ_C = Σ_{j∈C} f_j W_j / Σ_{j∈C} f_j (the official code adds ε to the denominator; a cluster whose members are
    never routed is averaged uniformly here instead of being zeroed).
@@ -44,7 +46,7 @@ from lab.moe.blocks import expert, moe_blocks, route, weights
 
 FEATURES = ("output", "router", "weight")
 CONTROLS = {  # the substitutions a skeptic would make; the notebook declares which claims each must break
-    "random_groups": "HC-SMoE's clusters replaced by random groups of the same sizes (the merge is unchanged)",
+    "random_groups": "HC-SMoE's clusters replaced by random groups of near-equal sizes (the merge is unchanged)",
     "weight_features": "expert-output features o_j replaced by the experts' flattened weights (W_gate, W_up, W_down)",
     "random_alignment": "scenario C's alignment step permutes each member's neurons at random instead of matching them "
                         "to the most used member's (Hungarian): the same merge with the matching left out",
