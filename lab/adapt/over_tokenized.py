@@ -146,7 +146,8 @@ class OverTokenizedLM(nn.Module):
 
 class OverDecodingLM(nn.Module):
     """Over-Decoding (Algorithm 2): beside the LM's own next-token head, head j = 2..n predicts token t + j from the
-    last hidden state h_t (after the final norm) through Linear(D → d) → Linear(d → V), no extra layer; training
+    last hidden state h_t (after the final norm) through Linear(D → d) (an identity when d = D, as Algorithm 2
+    writes it) → Linear(d → V) with a bias (PyTorch's default there), no extra layer; training
     minimises CE_1 + λ Σ_{j≥2} CE_j (λ_1 = 1, the paper's λ_2 ∈ {0.1 … 1}). Inference and every held-out loss use
     the next-token head alone, so its loss compares with a plain model's. A `transformers` causal LM with `.model`
     (the decoder, returning `last_hidden_state`) and `.lm_head`, as Llama; the settings go into
@@ -157,9 +158,9 @@ class OverDecodingLM(nn.Module):
         D, V = lm.config.hidden_size, lm.config.vocab_size
         d = d or D
         self.lm, self.lam = lm, lam
-        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(D, d, bias=False), nn.Linear(d, V, bias=False))
+        self.heads = nn.ModuleList(nn.Sequential(nn.Identity() if d == D else nn.Linear(D, d), nn.Linear(d, V))
                                    for _ in range(n - 1))
-        lm.config.over_decoding = {"n": n, "lam": lam, "d": d}
+        lm.config.over_decoding = {"n": n, "lam": lam, "d": d, "head": "algorithm 2"}
 
     @property
     def config(self):

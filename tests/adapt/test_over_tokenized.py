@@ -278,7 +278,9 @@ def test_over_decoding_loss_is_ce_next_plus_lambda_ce_next2_by_hand():
                  for b in range(2) for t in range(9 - j) if labels[b, t + j] != -100]
         total, n_terms = total + 0.3 * torch.stack(terms).mean(), n_terms + 1
     assert n_terms == 2 and out.loss.item() == pytest.approx(total.item(), rel=1e-5)
-    assert od(input_ids=x).loss is None and lm.config.over_decoding == {"n": 3, "lam": 0.3, "d": 16}
+    assert od(input_ids=x).loss is None
+    assert lm.config.over_decoding == {"n": 3, "lam": 0.3, "d": 16, "head": "algorithm 2"}
+    assert isinstance(od.heads[0][0], torch.nn.Identity) and od.heads[0][1].bias is not None  # d = D: Algorithm 2
     zero = ot.OverDecodingLM(tiny_llama(vocab_size=20, d_model=16, n_layers=1, n_heads=2), n=2, lam=0.0)
     plain = zero.lm(input_ids=x, labels=labels).loss.item()
     assert zero(input_ids=x, labels=labels).loss.item() == pytest.approx(plain, rel=1e-5)  # λ = 0: the LM's loss
