@@ -114,7 +114,7 @@ LIMITS: dict[str, tuple[str, ...]] = {
     # (whether a head keeps a neuron at the model's head dim: olica.make_plan)
     "07_olica": ("0 < s < 1", "k >= 0", "2 * s < 1 + k", "s <= 0.4 or 2 * k * s < 1 + k", "mlp_num >= 0",
                  "0 < lc_ratio <= 1"),
-    "08_latent_tokens": ("n_problems >= 1", "ft_steps >= 1"),
+    "08_latent_tokens": ("n_problems >= 1", "ft_steps >= 1", "chunk >= 1", "codebook >= 2"),
     # Little-Zoo: 5 goals leave every family one; above 620,816 the held-out grow-plant family runs out of distinct
     # goals; learning-progress snapshots are taken every 8 rounds (0 rounds: the scale's)
     "10_magellan": ("5 <= n_goals <= 620816", "rounds >= 0", "rounds <= 0 or rounds >= 8", "0 <= transfer <= 1"),

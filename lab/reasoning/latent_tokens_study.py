@@ -165,6 +165,20 @@ def _problems(data: str, n: int, seed: int) -> list[tuple[str, str, str]]:
     return [(q, c.strip(), "#### " + s.strip()) for q, c, s in rows[:n]]
 
 
+@torch.no_grad()
+def new_rows(model, ids: list[int], n_old: int, seed: int) -> None:
+    """The rows of the added tokens `ids` in the input and output embeddings drawn around the mean of the first
+    `n_old` rows (mean + 0.1 · per-dimension std · N(0, 1)): `resize_token_embeddings` adds no row when a padded
+    matrix already has room (len(tokenizer) < rows, as Qwen's), and would leave the new tokens on untrained rows."""
+    g = torch.Generator().manual_seed(seed)
+    mats = {m.weight.data_ptr(): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
+            if m is not None}
+    for w in mats.values():
+        old = w[:n_old].float()
+        noise = torch.randn(len(ids), w.shape[1], generator=g) * old.std(0) * 0.1
+        w[ids] = (old.mean(0) + noise).to(w.dtype)
+
+
 def checkpoint_run(model_name: str, data: str, cfg: lt.Config, *, seed: int = 0, device: str = "cpu",
                    out_dir: str = "", n_problems: int = 256, ft_steps: int = 50, batch_size: int = 8,
                    lr: float = 1e-4) -> dict:
@@ -181,7 +195,9 @@ def checkpoint_run(model_name: str, data: str, cfg: lt.Config, *, seed: int = 0,
     if tok is None:
         raise ValueError(f"{model_name!r} has no tokenizer; the latent traces are built from its token ids.")
     probs = _problems(data, n_problems, seed)
-    enc = [[torch.tensor(tok(s, add_special_tokens=False)["input_ids"], dtype=torch.long) for s in x] for x in probs]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []  # S ends in EOS: the model learns to stop
+    enc = [[torch.tensor(tok(s, add_special_tokens=False)["input_ids"] + (eos if j == 2 else []), dtype=torch.long)
+            for j, s in enumerate(x)] for x in probs]
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     n_text = len(tok)
     vcfg = lt.Config(L=cfg.L, r=cfg.r, K=cfg.K, vq_steps=cfg.vq_steps)
@@ -204,6 +220,7 @@ def checkpoint_run(model_name: str, data: str, cfg: lt.Config, *, seed: int = 0,
     names = ["<|bol|>", "<|eol|>"] + [f"<|latent_{k}|>" for k in range(cfg.K)]
     tok.add_tokens(names, special_tokens=True)
     model.resize_token_embeddings(max(len(tok), model.get_input_embeddings().num_embeddings), mean_resizing=True)
+    new_rows(model, tok.convert_tokens_to_ids(names), n_text, seed)
     v = lt.Vocab(n_text=tok.convert_tokens_to_ids("<|bol|>"), K=cfg.K, eos=tok.eos_token_id or pad, ans=-1, pad=pad)
     full = [(p, c[: len(c) // cfg.L * cfg.L], s) for p, c, s in enc]  # whole chunks of the trace only
     zs = [vq.codes(c.view(-1, cfg.L).to(dev)).flatten().cpu() if len(c) else torch.zeros(0, dtype=torch.long)

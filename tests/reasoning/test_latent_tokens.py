@@ -228,6 +228,19 @@ def test_widgets_follow_their_controls():
 
 @pytest.mark.notebook
 @pytest.mark.timeout(300)
+def test_new_token_rows_are_drawn_around_the_mean_even_in_a_padded_matrix():
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=40, d_model=16, n_layers=1, n_heads=2)  # 40 rows; pretend the tokenizer has 30
+    emb = m.get_input_embeddings().weight
+    spare = emb[30:33].clone()
+    lts.new_rows(m, [30, 31, 32], 30, seed=0)
+    mean, std = emb[:30].mean(0), emb[:30].std(0)
+    assert not torch.allclose(emb[30:33], spare)
+    assert ((emb[30:33] - mean).abs() <= 0.6 * std + 1e-6).all()  # 0.1·std noise: within 6 of its s.d.
+    out = m.get_output_embeddings().weight  # untied: the output rows too
+    assert torch.allclose(out[30:33].mean(0), out[:30].mean(0), atol=float(out[:30].std(0).max()))
+
+
 def test_checkpoint_folder_is_fine_tuned_on_mixed_traces_saved_and_reloads(tmp_path):
     """model=<folder>, data=<GSM8K-style .jsonl>: latent tokens added, fine-tuned, written to out_dir, reloaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -242,8 +255,8 @@ def test_checkpoint_folder_is_fine_tuned_on_mixed_traces_saved_and_reloads(tmp_p
     rows = [{"question": w(6), "answer": f"{w(12)} #### {w(1)}"} for _ in range(40)]
     (tmp_path / "gsm.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     proc = run_lab("run", "08_latent_tokens", "-p", "model", str(tmp_path / "ckpt"), "-p", "data",
-                   str(tmp_path / "gsm.jsonl"), "-p", "out_dir", str(tmp_path / "out_model"), "--out",
-                   str(tmp_path / "out"), "--no-page")
+                   str(tmp_path / "gsm.jsonl"), "-p", "out_dir", str(tmp_path / "out_model"), "-p", "codebook", "16",
+                   "--out", str(tmp_path / "out"), "--no-page")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rec = json.loads((tmp_path / "out" / "08_latent_tokens.json").read_text())
     assert rec["status"] == "measured" and rec["claims"] == []
@@ -251,6 +264,7 @@ def test_checkpoint_folder_is_fine_tuned_on_mixed_traces_saved_and_reloads(tmp_p
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out_model")
     back_tok = AutoTokenizer.from_pretrained(tmp_path / "out_model")
     K = ck["added_tokens"] - 2
+    assert K == 16  # the codebook parameter reaches the checkpoint path
     assert back.get_input_embeddings().num_embeddings == len(tok) + K + 2 == len(back_tok)
     assert back_tok.convert_tokens_to_ids("<|bol|>") == len(tok)
     # 12-token traces, L = 4: all-latent form is 3 codes + 2 delimiters = 5 tokens
