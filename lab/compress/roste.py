@@ -88,6 +88,8 @@ CONTROLS = {
                    "with R = I",
     "no_outlier": "no planted massive activation in the tiny Llama and no outlier coordinates in w* of the theory toy",
     "rotation_wrong_side": "R1 multiplied onto the readers' weights from the wrong side (W·Qᵀ instead of W·Q)",
+    "permuted_r1": "R1 a random signed permutation instead of a random Hadamard (orthogonal and exact like it, but it "
+                   "moves the massive channel whole instead of spreading it); R2–R4 and the theory toy unchanged",
 }
 
 
@@ -140,6 +142,7 @@ class Config:
     complete: bool = False  # also fine-tune the complete-rotation arm (Table 3's ablation; costs one more run)
     rotate: bool = True  # False under `no_rotation`
     wrong_side: bool = False  # True under `rotation_wrong_side`
+    permuted_r1: bool = False  # True under `permuted_r1`
 
     @classmethod
     def for_scale(cls, scale: str, control: str = "") -> Config:
@@ -151,7 +154,8 @@ class Config:
                                                   lrs=(3e-4, 1e-3, 3e-3))
         if control == "no_outlier":
             sizes.update(outlier=0.0, ls_plant=False)
-        return cls(**sizes, rotate=control != "no_rotation", wrong_side=control == "rotation_wrong_side")
+        return cls(**sizes, rotate=control != "no_rotation", wrong_side=control == "rotation_wrong_side",
+                   permuted_r1=control == "permuted_r1")
 
     def quant(self) -> QuantSpec:
         return QuantSpec(self.w_bits, self.a_bits, self.kv_bits, self.clip, self.clip, self.clip)
@@ -247,7 +251,7 @@ def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = 
     calib = sft_task.batch(cfg.n_calib, g)["input_ids"].to(device)
     ev = {k: v.to(device) for k, v in sft_task.batch(cfg.n_eval, g).items()}
     val = {k: v.to(device) for k, v in sft_task.batch(cfg.n_eval, g).items()}
-    qs, rot, L = cfg.quant(), Rotations.draw(pre.model.config, seed), cfg.n_layers
+    qs, rot, L = cfg.quant(), Rotations.draw(pre.model.config, seed, permuted_r1=cfg.permuted_r1), cfg.n_layers
     kw = dict(r1=cfg.rotate, wrong_side=cfg.wrong_side)
     on = [dict.fromkeys(KINDS, cfg.rotate) for _ in range(L)]
     search = adaptive(pre.model, qs, rot, calib, **kw)
@@ -272,7 +276,7 @@ def study(cfg: Config, seed: int = 0, device: str = "cpu", quiet: bool | None = 
     if cfg.complete:
         runs["complete rotation"] = run("complete rotation", "complete",
                                         lambda: quantize_model(pre.model, qs, rot, choice=on, **kw))
-    fp = rotate.rotate_r1(copy.deepcopy(runs["FP SFT"].model), rotate.matrix(rot.r1).T)  # back to the raw basis
+    fp = rotate.rotate_r1(copy.deepcopy(runs["FP SFT"].model), rot.r1_matrix().T)  # back to the raw basis
     gptq_clip = {}
 
     def gptq(make, arm):  # QuaRot's MSE clip search or the plain min-max grid, whichever is better on validation

@@ -184,23 +184,34 @@ class Rotations:
 
     r1: Tensor
     per_layer: list[dict[str, Tensor]] = field(default_factory=list)
+    r1_perm: Tensor | None = None  # RoSTE's `permuted_r1` control: R1 a signed permutation instead of a Hadamard
 
     @classmethod
-    def draw(cls, config, seed: int) -> Rotations:
+    def draw(cls, config, seed: int, *, permuted_r1: bool = False) -> Rotations:
         g = torch.Generator().manual_seed(10_000 + seed)
         dh = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         r1 = random_signs(config.hidden_size, g)
         layers = [{"R2": random_signs(dh, g), "R3": random_signs(dh, g),
                    "R4": random_signs(config.intermediate_size, g)} for _ in range(config.num_hidden_layers)]
-        return cls(r1, layers)
+        perm = torch.randperm(config.hidden_size, generator=g) if permuted_r1 else None
+        return cls(r1, layers, perm)
+
+    def r1_matrix(self) -> Tensor:
+        """Q1 (float64): Diag(signs)·H/√d, or under `permuted_r1` the signed permutation P·Diag(signs), as orthogonal
+        and as exact in full precision, but it moves each channel whole and spreads no outlier."""
+        if self.r1_perm is None:
+            return matrix(self.r1)
+        return torch.eye(len(self.r1), dtype=torch.float64)[self.r1_perm] * self.r1.double()
 
     def to_dict(self) -> dict:
-        return {"r1": self.r1.tolist(), "per_layer": [{k: v.tolist() for k, v in d.items()} for d in self.per_layer]}
+        d = {"r1": self.r1.tolist(), "per_layer": [{k: v.tolist() for k, v in x.items()} for x in self.per_layer]}
+        return d | ({"r1_perm": self.r1_perm.tolist()} if self.r1_perm is not None else {})
 
     @classmethod
     def from_dict(cls, d: dict) -> Rotations:
         t = lambda v: torch.tensor(v, dtype=torch.float64)
-        return cls(t(d["r1"]), [{k: t(v) for k, v in x.items()} for x in d["per_layer"]])
+        perm = torch.tensor(d["r1_perm"]) if "r1_perm" in d else None
+        return cls(t(d["r1"]), [{k: t(v) for k, v in x.items()} for x in d["per_layer"]], perm)
 
 
 # ------------------------------------------------------------------------ the fake-quantized modules
@@ -272,7 +283,7 @@ def quantize_model(model: nn.Module, qs: QuantSpec, rot: Rotations | None = None
     _register()
     m = fuse_norms(copy.deepcopy(model))
     if r1:
-        rotate_r1(m, matrix(rot.r1), wrong_side=wrong_side)
+        rotate_r1(m, rot.r1_matrix(), wrong_side=wrong_side)
     choice = choice or [dict.fromkeys(KINDS, False) for _ in m.model.layers]
     for layer, ch, signs in zip(m.model.layers, choice, rot.per_layer if rot else [{}] * len(choice)):
         if ch["R2"]:
@@ -295,4 +306,6 @@ def wrap(m: nn.Module, qs: QuantSpec, rot: Rotations | None, choice: list[dict[s
         layer.self_attn.roste = {"qs": qs, "r3": signs["R3"].float() if ch["R3"] else None, "log": None}
     m.set_attn_implementation("roste")
     m.config.roste = {"quant": vars(qs), "r1": bool(r1), "choice": choice, "wrong_side": wrong_side}
+    if rot is not None and rot.r1_perm is not None:  # the `permuted_r1` control: its own cache key and reload
+        m.config.roste["r1_perm"] = rot.r1_perm.tolist()
     return m

@@ -124,6 +124,27 @@ def test_controls_switch_the_config():
         roste.Config.for_scale("smoke", "nope")
 
 
+def test_permuted_r1_is_exact_but_moves_an_outlier_whole():
+    from lab.models.zoo import tiny_llama
+
+    torch.manual_seed(0)
+    m = tiny_llama(vocab_size=20, d_model=32, n_layers=1, n_heads=4, d_ff=64).eval()
+    rot, perm = R.Rotations.draw(m.config, 0), R.Rotations.draw(m.config, 0, permuted_r1=True)
+    Q = perm.r1_matrix()
+    assert torch.allclose(Q @ Q.T, torch.eye(32, dtype=torch.float64)) and (Q.abs().sum(0) == 1).all()
+    assert torch.equal(rot.r1_matrix(), R.matrix(rot.r1))
+    x = torch.zeros(32, dtype=torch.float64)
+    x[5] = 50.0  # a massive channel: a signed permutation keeps it on one channel, the Hadamard spreads it
+    assert (x @ Q).abs().max() == 50.0 and (x @ rot.r1_matrix()).abs().max() < 50.0 / 5
+    ids = torch.randint(20, (2, 8), generator=torch.Generator().manual_seed(1))
+    q = R.quantize_model(m.double(), R.QuantSpec().off(), perm, r1=True)
+    with torch.no_grad():
+        assert torch.allclose(q(input_ids=ids).logits, m(input_ids=ids).logits, atol=1e-6)
+    assert q.config.roste["r1_perm"] == perm.r1_perm.tolist()
+    assert R.Rotations.from_dict(perm.to_dict()).r1_perm.tolist() == perm.r1_perm.tolist()
+    assert roste.Config.for_scale("smoke", "permuted_r1").permuted_r1 and not roste.Config().permuted_r1
+
+
 def test_save_and_load_rebuild_the_fake_quant_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
