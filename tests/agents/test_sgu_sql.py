@@ -170,12 +170,13 @@ def test_controls_change_only_the_sgu_arm_and_unseen_skeletons_count_by_hand(tmp
     masked = " ".join(wr.mask(sw.tokenize(world.test[0].question), world.schemas[world.test[0].db_id])[0])
     assert view.labels(masked, "where") == writer.labels(masked, "query") and not writer.from_whole
     assert writer.__stage_key__() != view.__stage_key__()
-    few = st.subset(world, world.test[:6])
-    base = st.run_arms(few, writer, linker, vocab, ("direct", "sgu"), "", 0, items=few.test)
-    ctl = st.run_arms(few, writer, linker, vocab, ("direct", "sgu"), "untrained_linker", 0, items=few.test)
-    assert [r["sql"] for r in ctl["direct"]] == [r["sql"] for r in base["direct"]]
+    base = st.run_arms(world, writer, linker, vocab, ("direct", "sgu"), "", 0, items=world.test)
+    for control, what in (("untrained_linker", "links"), ("whole_query_clauses", "sql")):
+        ctl = st.run_arms(world, writer, linker, vocab, ("direct", "sgu"), control, 0, items=world.test)
+        assert [r["sql"] for r in ctl["direct"]] == [r["sql"] for r in base["direct"]]  # the other arms as they are
+        assert [r[what] for r in ctl["sgu"]] != [r[what] for r in base["sgu"]]  # the SGU arm changed
     with pytest.raises(ValueError, match="unknown control"):
-        st.run_arms(few, writer, linker, vocab, ("sgu",), "no_linker", 0, items=few.test)
+        st.run_arms(world, writer, linker, vocab, ("sgu",), "no_linker", 0, items=world.test[:1])
     whole = lambda it: "|".join(wr.skeleton(it)[c] for c in sg.SYNTAX_ORDER)  # brute force over the train set
     hard = [it for it in world.test if it.hardness in st.HARD]
     want = sum(all(whole(it) != whole(t) for t in world.train) for it in hard) / len(hard)
