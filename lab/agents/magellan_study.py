@@ -15,8 +15,10 @@ beside MAGELLAN on its own learner at each of its recomputes (`Run.q1`), so the 
 
 The goal-space swap (the paper's Q4; `main.py` with `adaptation_test`): after the main run, every goal is replaced
 by a held-out-object goal (`little_zoo.make_goal_space(split="test")`) and training goes on. MAGELLAN keeps its
-weights and empties D (`magellan.Magellan.swap`); Online-ALP's per-goal buffers start empty (the new goals have none);
-EK-Online-ALP keeps its bucket buffers (the buckets are the same families; the official `load` restores them).
+weights and empties D (`magellan.Magellan.swap`; the official run reloads D, which holds the old goals' texts, not
+emulated here); Online-ALP's per-goal buffers carry over as the official `load` restores them, by index within each
+family (`OnlineALP.swap`); EK-Online-ALP keeps its bucket buffers (the same families; the official `load` restores
+them too).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class OnlineALP(Sampler):
 
     def __init__(self, space, cfg):
         super().__init__(space, cfg)
-        self.swap(space)
+        self.fifos: dict[int, deque] = {}
+        self.alp, self.estimate = np.zeros(self.G), np.full(self.G, np.nan)
 
     def probs(self, t):
         return eps_greedy(self.alp, epsilon(t, self.cfg))
@@ -61,10 +64,17 @@ class OnlineALP(Sampler):
             self.alp[g], self.estimate[g] = half_alp(q), np.mean(q)
 
     def swap(self, space):
-        """New goals have no outcomes: every buffer starts empty."""
+        """As the official adaptation test does: its `load` restores the per-goal buffers and ALPs by index, and its
+        goal lists are ordered by family, so the k-th new goal of a family inherits the k-th old goal's buffer (a new
+        family member with no old counterpart starts empty)."""
+        old_family, old_fifos = self.space.family, self.fifos
         super().swap(space)
-        self.fifos: dict[int, deque] = {}
-        self.alp, self.estimate = np.zeros(self.G), np.full(self.G, np.nan)
+        self.fifos, self.alp, self.estimate = {}, np.zeros(self.G), np.full(self.G, np.nan)
+        for f in range(len(FAMILIES)):
+            for a, b in zip(np.flatnonzero(old_family == f), np.flatnonzero(space.family == f)):
+                if int(a) in old_fifos:
+                    q = self.fifos[int(b)] = deque(old_fifos[int(a)], maxlen=self.cfg.fifo)
+                    self.alp[b], self.estimate[b] = half_alp(q), np.mean(q)
 
 
 class EKOnlineALP(Sampler):

@@ -115,7 +115,7 @@ def held_out(small):
     return lz.make_goal_space(small[1].n_goals, 0, split="test")
 
 
-def test_online_alp_is_a_per_goal_fifo_and_the_swap_empties_it(small, held_out):
+def test_online_alp_is_a_per_goal_fifo_and_the_swap_carries_buffers_by_rank_within_family(small, held_out):
     sp, cfg = small
     s = ms.OnlineALP(sp, cfg)
     seq = [1, 0, 0, 1, 1, 1]
@@ -124,7 +124,13 @@ def test_online_alp_is_a_per_goal_fifo_and_the_swap_empties_it(small, held_out):
     assert s.alp[5] == pytest.approx(ms.half_alp(seq[-4:])) and s.alp[7] == 0.0 and s.estimate[5] == 0.75
     assert np.isnan(s.estimate[8])
     s.swap(held_out)
-    assert s.fifos == {} and (s.alp == 0).all() and np.isnan(s.estimate).all() and s.space is held_out
+    # by hand: goal 5 is the k-th of its family in the old space; the k-th of that family in the new space inherits it
+    f5 = sp.family[5]
+    k = int(np.flatnonzero(np.flatnonzero(sp.family == f5) == 5)[0])
+    new5 = int(np.flatnonzero(held_out.family == f5)[k])
+    assert list(s.fifos[new5]) == seq[-4:] and s.alp[new5] == pytest.approx(ms.half_alp(seq[-4:]))
+    assert s.estimate[new5] == 0.75 and len(s.fifos) == 2 and s.space is held_out
+    assert np.isnan(np.delete(s.estimate, list(s.fifos))).all()
 
 
 def test_ek_probs_mix_buckets_then_uniform_inside(small):
@@ -218,7 +224,8 @@ def test_study_swaps_a_copy_and_measures_the_new_goals(small, held_out):
     assert main["competence"].shape == (41, 5) and sw["competence"].shape == (cfg.swap_rounds + 1, 5)
     assert main["sampler"] is not sw["sampler"] and main["sampler"].space is sp
     est, true = sw["at_swap"]
-    assert np.isnan(est).all() and true.shape == (len(held_out),)  # Online-ALP: no estimate on new goals
+    assert true.shape == (len(held_out),)  # Online-ALP: the new goals' estimates are the inherited buffers' means
+    assert np.isfinite(est).any() and (est[held_out.family == 4][np.isfinite(est[held_out.family == 4])] == 0).all()
     assert np.allclose(ms.run(sp, "online_alp", cfg, seed=0)["competence"], main["competence"])
     assert np.allclose(sw["competence"][0], [true[held_out.family == f].mean() for f in range(5)])
     assert sw["competence"][0][1] < main["competence"][-1][1]  # τ < 1: unpractised plant names start lower
