@@ -53,7 +53,7 @@ class Config:
 
     n_goals: int = 25_000  # the paper's "25k" set (same proportions)
     rounds: int = 400  # collection rounds (sampler updates)
-    episodes: int = 96  # episodes per round (the paper: 32 envs x 64 steps, several episodes each)
+    episodes: int = 96  # episodes per round (the official run: 32 envs × 2 steps = 64 transitions, a few episodes)
     eta: float = 0.0133  # student learning rate η (per episode)
     transfer: float = 0.5  # τ: share of a grow skill common to every name of the family (`little_zoo.Student`)
     swap_rounds: int = 150  # rounds on held-out-object goals after the goal-space swap (Q4)
@@ -61,7 +61,7 @@ class Config:
     d_model: int = 64  # h(g) width
     steps: int = 3  # estimator Adam steps per round (the paper: 1)
     batch: int = 256  # estimator minibatch (the paper's)
-    buffer: int = 5000  # FIFO D (the paper's M)
+    buffer: int = 5000  # FIFO D (the paper's M; here ~52 rounds ≈ 2N of outcomes, in the official runs 5-8 N)
     lr: float = 5e-3  # estimator Adam lr (the paper: 1e-4 with a 250M LLM)
     R: int = 8  # snapshot / ALP recompute period (the paper: 32)
     N: int = 24  # delay in sampler updates (the paper: 100) -> |B| = int(N/R + 1)
@@ -228,7 +228,8 @@ class Magellan(Sampler):
         self.alp = np.zeros(self.G)
         self.rng = np.random.default_rng(seed)
         self.estimate = self.model.predict()
-        self.losses: list[float] = []
+        self.snapshots.append(({k: v.detach().clone() for k, v in self.model.state_dict().items()}, self.estimate))
+        self.losses: list[float] = []  # θ_0 is B's first entry, as the official sampler pushes it at initialisation
 
     def probs(self, t):
         return eps_greedy(self.alp, epsilon(t, self.cfg))

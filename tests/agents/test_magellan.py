@@ -178,6 +178,8 @@ def test_set_space_equals_an_estimator_built_on_the_new_goals(small, held_out):
 def test_magellan_delay_buffer_and_alp(small):
     sp, cfg = small
     assert cfg.n_snapshots == int(8 / 4 + 1) == 3
+    s0 = mg.Magellan(sp, cfg, seed=0)  # θ_0 is in B from the start, as the official sampler pushes it
+    assert len(s0.snapshots) == 1 and np.array_equal(s0.snapshots[0][1], s0.estimate)
     res = ms.run(sp, "magellan", cfg, seed=0)
     s = res["sampler"]
     assert len(s.snapshots) == 3
