@@ -40,6 +40,8 @@ from lab.core import params
 CONTROLS = {
     "no_delay": "delay N = 0: |B| = int(0/R + 1) = 1, the delayed estimator is the current one, ALP ≡ 0 (uniform)",
     "one_hot_goals": "the estimator sees a one-hot goal id instead of the goal's tokens (no semantic sharing)",
+    "shuffled_alp": "MAGELLAN's ALP values permuted across the goals at every recompute: the same concentration of "
+                    "sampling, none of the information about which goals progress",
 }
 
 
@@ -73,6 +75,7 @@ class Config:
     eval_episodes: int = 1  # Eval-ALP: dedicated evaluation episodes per goal at every recompute (Q1 only)
     ek_eval_episodes: int = 64  # EK-Eval-ALP: evaluation episodes per expert bucket at every recompute (Q1 only)
     goal_input: str = "tokens"  # "one_hot" under the `one_hot_goals` control
+    shuffle_alp: bool = False  # True under the `shuffled_alp` control
 
     @classmethod
     def for_scale(cls, scale: str, control: str = "", **overrides) -> Config:
@@ -83,7 +86,8 @@ class Config:
         sizes = {} if scale == "smoke" else dict(rounds=1600, eta=0.0033, steps=6, eps_decay=160.0, swap_rounds=600)
         if control == "no_delay":
             sizes["N"] = 0
-        return cls(**{**sizes, **overrides}, goal_input="one_hot" if control == "one_hot_goals" else "tokens")
+        return cls(**{**sizes, **overrides}, goal_input="one_hot" if control == "one_hot_goals" else "tokens",
+                   shuffle_alp=control == "shuffled_alp")
 
     @property
     def n_snapshots(self) -> int:
@@ -251,6 +255,8 @@ class Magellan(Sampler):
         self.delayed.load_state_dict(weights)  # current (= self.delayed.predict(), a test checks it)
         self.alp = np.abs(self.estimate - delayed)
         self.alp[self.alp < self.cfg.threshold] = 0.0
+        if self.cfg.shuffle_alp:  # the control: the values kept, their goals drawn at random
+            self.alp = self.rng.permutation(self.alp)
 
     def update(self, t, goals, outcomes):
         self.D_goal.extend(int(g) for g in goals)

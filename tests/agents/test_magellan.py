@@ -243,6 +243,15 @@ def test_no_delay_gives_zero_alp(small):
     assert (s.alp == 0).all()
 
 
+def test_shuffled_alp_keeps_the_values_and_moves_them_across_goals(small):
+    sp, cfg = small
+    cfgs = mg.Config.for_scale("smoke", "shuffled_alp", n_goals=600, rounds=40, R=4, N=8, fifo=4)
+    s = ms.run(sp, "magellan", cfgs, seed=0)["sampler"]
+    alp = np.abs(s.estimate - s.snapshots[0][1])
+    alp[alp < cfgs.threshold] = 0.0
+    assert np.array_equal(np.sort(s.alp), np.sort(alp)) and not np.array_equal(s.alp, alp) and alp.any()
+
+
 def test_oracle_alp_is_the_true_competence_change_per_goal(small):
     sp, cfg = small
     r = ms.Run(sp, "oracle", cfg, seed=0)
