@@ -22,6 +22,7 @@ causal LM: the entropy is that of the model's own k-token greedy continuation of
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -94,13 +95,14 @@ def fisher_information(model, inputs: list[Tensor], k: int) -> dict[str, tuple[T
 
 
 def eata_objective(e0: float, k: int = 8, *, d_margin: float = 1.0, fishers: dict | None = None,
-                   alpha: float = 2000.0) -> Objective:
+                   alpha: float = 2000.0, per_sample: Callable[..., Tensor] | None = None) -> Objective:
     """EATA (Niu et al., ICML 2022; official `mr-eggplant/EATA`, eata.py `forward_and_adapt_eata`) on the
     model's k-token greedy continuation: a sample is *reliable* if its entropy E < E0 (Eq. 3) and *non-redundant*
     if its mean predicted distribution p̄ has |cos(p̄, m)| < d_margin with m the moving average (0.9) of the
     kept samples' p̄ (Eqs. 4-5; none before the first); kept samples' entropies are weighted 1/exp(E − E0) and
     averaged, plus the Fisher regulariser α Σ F (θ − θ0)² (Eqs. 8-9). No kept sample: no backward, as the
-    official code."""
+    official code. `per_sample(model, x)` (B,) replaces the entropy in the weighted loss only (filters and weights
+    stay the entropy's): the lab's `entropy_as_ppl` control passes the input's NLL."""
     state: dict[str, Tensor | None] = {"m": None}
 
     def f(model, x):
@@ -114,7 +116,8 @@ def eata_objective(e0: float, k: int = 8, *, d_margin: float = 1.0, fishers: dic
         if keep.any():
             new = pbar[keep].mean(0)
             state["m"] = new if state["m"] is None else 0.9 * state["m"] + 0.1 * new
-        loss = (torch.exp(e0 - e.detach()) * e * keep).sum() / keep.sum().clamp_min(1)
+        term = e if per_sample is None else per_sample(model, x)
+        loss = (torch.exp(e0 - e.detach()) * term * keep).sum() / keep.sum().clamp_min(1)
         if fishers:
             loss = loss + alpha * sum((fishers[n][0] * (q - fishers[n][1]) ** 2).sum()
                                       for n, q in model.named_parameters() if n in fishers)

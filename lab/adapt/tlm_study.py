@@ -42,8 +42,8 @@ CONTROLS = {"no_sel": "TLM and online TLM adapt on every input with weight 1 (TL
 @dataclass(frozen=True)
 class Config:
     """Every size and knob of the toy: domains (with the retention domain in pre-training), base model and its
-    pre-training, test streams, LoRA (r = 8, α = 16, on every linear layer: q/v alone cannot move this 2-layer
-    model's word transitions), SEL (log P0 from `select_frac`, λ), the baselines, online TLM's chunk, the control."""
+    pre-training, test streams, LoRA (r = 8, α = 16, on W_q, W_v, W_o and the MLP: a larger step than the paper's q/v,
+    which the arm "TLM, LoRA on q/v (the paper's)" runs beside it), SEL (log P0 from `select_frac`, λ), the baselines, online TLM's chunk, the control."""
 
     domains: MarkovDomains = field(default_factory=RetentionDomains)
     base: TinyLM = TinyLM(d_model=64, n_layers=2, n_heads=4, max_len=32, steps=500, batch_size=64, lr=3e-3)
@@ -132,10 +132,11 @@ class Toy:
     def base(self):
         return self.run.model
 
-    def lora_copy(self):
-        """A copy of the base model with fresh LoRA adapters (the only trainable weights)."""
+    def lora_copy(self, targets: tuple[str, ...] | None = None):
+        """A copy of the base model with fresh LoRA adapters (the only trainable weights) on `targets` (default:
+        the config's)."""
         c = self.cfg
-        return add_lora(copy.deepcopy(self.base), r=c.lora_r, alpha=c.lora_alpha, targets=c.lora_targets)
+        return add_lora(copy.deepcopy(self.base), r=c.lora_r, alpha=c.lora_alpha, targets=targets or c.lora_targets)
 
     def answers(self, model, data: dict[str, Tensor]) -> dict[str, float]:
         return answer_scores(model, data, generator=self.generator, device=self.device)
@@ -177,23 +178,29 @@ def build(cfg: Config, seed: int, device: str = "cpu") -> Toy:
                [src[i:i + 1].to(device) for i in range(len(src))], src_th)
 
 
-def arms(toy: Toy) -> dict[str, tuple[Callable[[object], Objective], bool, float]]:
-    """The offline arms: name -> (objective of the adapted copy m, LoRA (else every weight), lr). Controls
-    substitute in TLM (`no_sel`, `no_adapt`, `source_inputs`) or in Tent, EATA and COME (`entropy_as_ppl`) only."""
-    cfg, th, base, k = toy.cfg, toy.adaptation_stream()[1], toy.base, toy.cfg.domains.answer
+QV = ("q_proj", "v_proj")  # the paper's LoRA targets (official offline_ttl.yaml: lora_target q_proj,v_proj)
+
+
+def arms(toy: Toy) -> dict[str, tuple[Callable[[object], Objective], tuple[str, ...] | None, float]]:
+    """The offline arms: name -> (objective of the adapted copy m, its LoRA targets (None: every weight), lr).
+    Controls substitute in TLM (`no_sel`, `no_adapt`, `source_inputs`) or in Tent, EATA and COME (`entropy_as_ppl`:
+    each loop's per-input loss becomes the input's NLL; EATA keeps its entropy filters, weights and Fisher term)."""
+    cfg, th, base, k, lt = toy.cfg, toy.adaptation_stream()[1], toy.base, toy.cfg.domains.answer, toy.cfg.lora_targets
     e0 = cfg.eata_frac * math.log(len(cfg.domains.tokenizer))
     ppl = cfg.control == "entropy_as_ppl"
     eata = lambda m: E.eata_objective(e0, k, d_margin=cfg.eata_margin, alpha=cfg.eata_alpha,
-                                    fishers=E.fisher_information(m, toy.fisher_inputs, k))
-    return {"TLM": (lambda m: tlm_objective(threshold=th, lamb=cfg.lamb, base_ce=base_ce(m), sel=cfg.sel),
-                    True, cfg.tlm_lr),
-            "TLM w/o SEL": (lambda m: tlm_objective(sel=False), True, cfg.lr),
-            "Tent": (lambda m: tlm_objective(sel=False) if ppl else E.tent_objective(k), True, cfg.lr),
-            "EATA": (lambda m: tlm_objective(sel=False) if ppl else eata(m), True, cfg.lr),
-            "COME": (lambda m: tlm_objective(sel=False) if ppl else E.come_objective(k), True, cfg.lr),
+                                    fishers=E.fisher_information(m, toy.fisher_inputs, k),
+                                    per_sample=sample_ce if ppl else None)
+    tlm = lambda m: tlm_objective(threshold=th, lamb=cfg.lamb, base_ce=base_ce(m), sel=cfg.sel)
+    return {"TLM": (tlm, lt, cfg.tlm_lr),
+            "TLM w/o SEL": (lambda m: tlm_objective(sel=False), lt, cfg.lr),
+            "Tent": (lambda m: tlm_objective(sel=False) if ppl else E.tent_objective(k), lt, cfg.lr),
+            "EATA": (eata, lt, cfg.lr),
+            "COME": (lambda m: tlm_objective(sel=False) if ppl else E.come_objective(k), lt, cfg.lr),
+            "TLM, LoRA on q/v (the paper's)": (tlm, QV, cfg.tlm_lr),
             "TLM, full parameters": (lambda m: tlm_objective(threshold=th, lamb=cfg.lamb,
                                                              base_ce=lambda x: sample_ce(base, x).detach()),
-                                     False, cfg.lr / cfg.full_lr_div)}
+                                     None, cfg.lr / cfg.full_lr_div)}
 
 
 def run_online(toy: Toy, *, sel: bool, lr: float | None = None) -> dict:
@@ -210,28 +217,30 @@ def run_online(toy: Toy, *, sel: bool, lr: float | None = None) -> dict:
 
 ENTROPY_ARMS = ("Tent", "EATA", "COME")  # the entropy-minimisation baselines
 ARM_CONTROLS = {"TLM": ("no_sel", "no_adapt", "source_inputs"),  # where each control substitutes
+                "TLM, LoRA on q/v (the paper's)": ("no_sel", "no_adapt", "source_inputs"),
                 "online TLM": ("no_sel", "no_adapt", "source_inputs"), **{a: ("entropy_as_ppl",) for a in ENTROPY_ARMS}}
 
 
 def run_arms(toy: Toy) -> tuple[dict[str, dict], list[dict]]:
     """Adapt a fresh copy of the base model per arm on the unlabeled stream — offline (`adapt`, one epoch) for
     `arms`, then online TLM with and without SEL (`run_online`) — and score each (`Toy.score`). Returns {arm:
-    scores} and TLM's Obs. 1 checkpoints ({"step", "out_ppl", "in_ppl"} on the held-out target questions). Each
-    arm starts from its own random state (`arm_seed`), so adding or reordering arms changes no other arm's result,
-    and is a cached stage that sees the control only if it substitutes in that arm, so a control run reuses the
+    scores} and TLM's Obs. 1 checkpoints ({"step", "out_ppl", "in_ppl"} on the held-out target questions). Every
+    arm starts from the same random state (`arm_seed`): arms with the same LoRA targets start from the same adapters,
+    so TLM − TLM w/o SEL is the objectives' difference, not two draws' (and adding or reordering arms changes no
+    other arm's result). Each is a cached stage that sees the control only if it substitutes in that arm, so a control run reuses the
     arms it does not change."""
     results, curve = {}, []
     for name in (*arms(toy), "online TLM", "online TLM w/o SEL"):
         control = toy.cfg.control if toy.cfg.control in ARM_CONTROLS.get(name, ()) else ""
-        torch.manual_seed(arm_seed(toy, name))
+        torch.manual_seed(arm_seed(toy))
         results[name], checkpoints = run_arm(replace(toy, cfg=replace(toy.cfg, control=control)), name)
         curve = checkpoints if name == "TLM" else curve
     return results, curve
 
 
-def arm_seed(toy: Toy, name: str) -> int:
-    """The torch seed an arm starts from: the toy's data seed and the arm's name, nothing about the other arms."""
-    return zlib.crc32(f"{toy.generator.initial_seed()}:{name}".encode())
+def arm_seed(toy: Toy) -> int:
+    """The torch seed every arm starts from: the toy's data seed, nothing about the arm or the other arms."""
+    return zlib.crc32(f"{toy.generator.initial_seed()}:arms".encode())
 
 
 @stage
@@ -241,8 +250,8 @@ def run_arm(toy: Toy, name: str) -> tuple[dict, list[dict]]:
     if name.startswith("online TLM"):
         sel = name == "online TLM" and cfg.sel
         return run_online(toy, sel=sel, lr=cfg.tlm_lr if name == "online TLM" else None), []
-    objective, lora, lr = arms(toy)[name]
-    m = toy.lora_copy() if lora else copy.deepcopy(toy.base)
+    objective, targets, lr = arms(toy)[name]
+    m = toy.lora_copy(targets) if targets else copy.deepcopy(toy.base)
     probe = (lambda: perplexities(m, toy.held, device=toy.device)) if name == "TLM" else None
     inputs = toy.adaptation_stream()[0] if name == "TLM" else toy.inputs
     log = adapt(m, inputs, objective(m), lr=lr, probe=probe, every=cfg.probe_every if probe else 0)

@@ -47,6 +47,11 @@ def test_eata_filters_weights_and_regularises_as_the_official_code():
     loose = E.eata_objective(e0 + 10, 3, d_margin=cos + 1e-3)
     assert loose(m, x1)[1] and loose(m, x2)[1]
     assert not E.eata_objective(e1 - 1e-3, 3)(m, x1)[1]  # unreliable (E >= E0): skipped
+    # per_sample (the entropy_as_ppl control): the same entropy weight exp(E0 - E), the input's NLL as the term
+    nll = lambda model, x: torch.full((x.shape[0],), 2.5)
+    loss, kept = E.eata_objective(e0, 3, d_margin=1.01, per_sample=nll)(m, x1)
+    assert kept and loss.item() == pytest.approx(math.exp(0.5) * 2.5, rel=1e-4)
+    assert not E.eata_objective(e1 - 1e-3, 3, per_sample=nll)(m, x1)[1]  # the entropy filter still decides
     # the Fisher regulariser: alpha * sum F (theta - theta0)^2, by hand after moving one parameter
     fishers = E.fisher_information(m, [x1, x2], 3)
     name, q = next((n, q) for n, q in m.named_parameters() if "lora_B" in n)

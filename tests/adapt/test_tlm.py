@@ -202,16 +202,26 @@ def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_where_they
     toy = TS.build(cfg, seed=0)
     torch.manual_seed(7)
     results, curve = TS.run_arms(toy)
-    assert list(results) == ["TLM", "TLM w/o SEL", "Tent", "EATA", "COME", "TLM, full parameters", "online TLM",
-                             "online TLM w/o SEL"]
+    assert list(results) == ["TLM", "TLM w/o SEL", "Tent", "EATA", "COME", "TLM, LoRA on q/v (the paper's)",
+                             "TLM, full parameters", "online TLM", "online TLM w/o SEL"]
     assert results["TLM"]["selected"] == results["TLM"]["backward"] == 18  # selected by the base model's CE
     assert results["TLM w/o SEL"]["backward"] == results["Tent"]["backward"] == results["COME"]["backward"] == 20
     assert results["online TLM w/o SEL"]["backward"] == 20
     assert [c["step"] for c in curve] == [0, 4, 8, 12, 16, 20] and set(curve[0]) == {"step", "out_ppl", "in_ppl"}
-    torch.manual_seed(TS.arm_seed(toy, "TLM"))  # TLM by hand: a LoRA copy, the base model's CE selecting
+    torch.manual_seed(TS.arm_seed(toy))  # TLM by hand: a LoRA copy, the base model's CE selecting
     m = T.add_lora(copy.deepcopy(toy.base), targets=cfg.lora_targets)
+    start = {n: q.clone() for n, q in m.named_parameters() if q.requires_grad}
     log = L.adapt(m, toy.inputs, T.tlm_objective(threshold=toy.threshold, base_ce=T.base_ce(m)), lr=cfg.lr)
     assert toy.score(m, log) == results["TLM"]
+    torch.manual_seed(TS.arm_seed(toy))  # TLM w/o SEL by hand: from the same adapters as TLM (a paired comparison)
+    m = T.add_lora(copy.deepcopy(toy.base), targets=cfg.lora_targets)
+    assert all(torch.equal(q, start[n]) for n, q in m.named_parameters() if q.requires_grad)
+    assert toy.score(m, L.adapt(m, toy.inputs, T.tlm_objective(sel=False), lr=cfg.lr)) == results["TLM w/o SEL"]
+    torch.manual_seed(TS.arm_seed(toy))  # the paper's LoRA targets: q and v only
+    m = T.add_lora(copy.deepcopy(toy.base), targets=("q_proj", "v_proj"))
+    assert {n.split(".")[-4] for n, q in m.named_parameters() if q.requires_grad} == {"q_proj", "v_proj"}
+    log = L.adapt(m, toy.inputs, T.tlm_objective(threshold=toy.threshold, base_ce=T.base_ce(m)), lr=cfg.tlm_lr)
+    assert toy.score(m, log) == results["TLM, LoRA on q/v (the paper's)"]
     with torch.no_grad():
         assert torch.equal(T.base_ce(m)(toy.inputs[0]), T.sample_ce(toy.base, toy.inputs[0]))
     torch.manual_seed(7)  # every arm seeds itself: the random state before does not matter
@@ -221,7 +231,9 @@ def test_run_arms_is_each_arm_written_out_and_the_controls_substitute_where_they
     every, _ = TS.run_arms(replace(toy, cfg=replace(cfg, control="no_sel")))
     assert every["TLM"]["backward"] == every["online TLM"]["backward"] == cfg.n_stream
     ppl, _ = TS.run_arms(replace(toy, cfg=replace(cfg, control="entropy_as_ppl")))
-    assert ppl["Tent"]["backward"] == ppl["EATA"]["backward"] == ppl["COME"]["backward"] == cfg.n_stream
+    assert ppl["Tent"]["backward"] == ppl["COME"]["backward"] == cfg.n_stream  # every input, the NLL as the loss
+    assert ppl["EATA"]["backward"] == results["EATA"]["backward"]  # EATA keeps its entropy filters (here: none kept)
+    assert ppl["Tent"]["stream"] == results["TLM w/o SEL"]["stream"]  # Tent's loop with the NLL is TLM w/o SEL
     assert ppl["COME"]["target"]["in_ppl"] != results["COME"]["target"]["in_ppl"]  # the PPL loss instead
 
 
@@ -253,7 +265,7 @@ def test_source_inputs_control_adapts_tlm_on_source_inputs_and_still_answers_the
                 schedule="constant")
     assert got["stream"]["out_ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
     results, _ = TS.run_arms(toy)
-    torch.manual_seed(TS.arm_seed(toy, "TLM"))
+    torch.manual_seed(TS.arm_seed(toy))
     m = T.add_lora(copy.deepcopy(toy.base), targets=cfg.lora_targets)
     log = L.adapt(m, toy.source_inputs, T.tlm_objective(threshold=toy.source_threshold, base_ce=T.base_ce(m)),
                   lr=cfg.lr)
