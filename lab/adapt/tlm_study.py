@@ -43,7 +43,8 @@ CONTROLS = {"no_sel": "TLM and online TLM adapt on every input with weight 1 (TL
 class Config:
     """Every size and knob of the toy: domains (with the retention domain in pre-training), base model and its
     pre-training, test streams, LoRA (r = 8, α = 16, on W_q, W_v, W_o and the MLP: a larger step than the paper's q/v,
-    which the arm "TLM, LoRA on q/v (the paper's)" runs beside it), SEL (log P0 from `select_frac`, λ), the baselines, online TLM's chunk, the control."""
+    which the arm "TLM, LoRA on q/v (the paper's)" runs beside it), SEL (log P0 from `select_frac`, λ), the
+    baselines, online TLM's chunk, the control."""
 
     domains: MarkovDomains = field(default_factory=RetentionDomains)
     base: TinyLM = TinyLM(d_model=64, n_layers=2, n_heads=4, max_len=32, steps=500, batch_size=64, lr=3e-3)
@@ -227,8 +228,8 @@ def run_arms(toy: Toy) -> tuple[dict[str, dict], list[dict]]:
     scores} and TLM's Obs. 1 checkpoints ({"step", "out_ppl", "in_ppl"} on the held-out target questions). Every
     arm starts from the same random state (`arm_seed`): arms with the same LoRA targets start from the same adapters,
     so TLM − TLM w/o SEL is the objectives' difference, not two draws' (and adding or reordering arms changes no
-    other arm's result). Each is a cached stage that sees the control only if it substitutes in that arm, so a control run reuses the
-    arms it does not change."""
+    other arm's result). Each is a cached stage that sees the control only if it substitutes in that arm, so a
+    control run reuses the arms it does not change."""
     results, curve = {}, []
     for name in (*arms(toy), "online TLM", "online TLM w/o SEL"):
         control = toy.cfg.control if toy.cfg.control in ARM_CONTROLS.get(name, ()) else ""
