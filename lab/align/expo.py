@@ -156,15 +156,15 @@ def population_loss(method: str, logits: Tensor, pi_ref: Tensor, pi_star: Tensor
 
 
 def solve(method: str, pi_ref: Tensor, pi_star: Tensor, lam: float, *, kl_scale: str = "mean",
-          pairs: str = "uniform", iters: int = 200) -> Tensor:
-    """The policy minimizing the population loss (float64 L-BFGS from π_ref's logits): (K,).
+          pairs: str = "uniform", iters: int = 200, start: Tensor | None = None) -> Tensor:
+    """The policy minimizing the population loss (float64 L-BFGS from π_ref's logits, or from `start` logits): (K,).
 
     "rlhf" returns its known optimum π_ref·π*^{1/λ}/Z: its objective is flat near a point mass
     (gradients ∝ π(1−π)), so L-BFGS stalls there at small λ."""
     pi_ref, pi_star = pi_ref.double(), pi_star.double()
     if method == "rlhf":
         return dpo_minimizer(pi_ref, pi_star, lam)
-    logits = pi_ref.log().clone().requires_grad_()
+    logits = (pi_ref.log() if start is None else start.double()).clone().requires_grad_()
     opt = torch.optim.LBFGS([logits], lr=1.0, max_iter=iters, tolerance_grad=1e-12, tolerance_change=1e-14,
                             line_search_fn="strong_wolfe")
 
@@ -262,9 +262,9 @@ def ref_gap(pi_ref: Tensor, pi_star: Tensor, pi: Tensor) -> float:
     return kl_divergence(pi_ref, pi) / kl_divergence(pi_ref, pi_star)
 
 
-def sweep(method: str, pi_ref: Tensor, pi_star: Tensor, log_lams) -> Tensor:
+def sweep(method: str, pi_ref: Tensor, pi_star: Tensor, log_lams, start: Tensor | None = None) -> Tensor:
     """Population solutions over a log λ grid: (L, K)."""
-    return torch.stack([solve(method, pi_ref, pi_star, math.exp(ll)) for ll in log_lams])
+    return torch.stack([solve(method, pi_ref, pi_star, math.exp(ll), start=start) for ll in log_lams])
 
 
 def population_solutions(cfg: Config) -> dict[str, dict[str, Tensor]]:
@@ -300,9 +300,11 @@ def dip(distances: Tensor) -> float:
 def preservation_kl(method: str, log_lams, pi: Tensor | None = None) -> Tensor:
     """What claim C1 measures: KL(π* ‖ π_θ) (L,) of `method`'s population solution at each log λ on a context
     whose reference is already optimal, π_ref = π* = `pi` (default the §5 *good* context [.6, .3, .1]).
-    0 means the context is preserved; C1 reads the max over λ for EXPO and the min over log λ ≤ 0 for DPO."""
+    0 means the context is preserved; C1 reads the max over λ for EXPO and the min over log λ ≤ 0 for DPO. The
+    solver starts from the uniform policy, not from π_ref = π*, so a 0 says the loss leads back to π*, not that the
+    solver never moved (at π* EXPO's gradient is 0)."""
     pi = Config.settings()["good"][1] if pi is None else pi.double()
-    solutions = sweep(method, pi, pi, log_lams)
+    solutions = sweep(method, pi, pi, log_lams, start=torch.zeros_like(pi))
     return (pi * (pi.log() - solutions.log())).sum(-1)
 
 
@@ -319,3 +321,11 @@ def reference_kl(reference, policy, prompts: Tensor, *, n: int, length: int, gen
     with torch.no_grad():
         ref = token_dists(reference, x, y, V)
     return token_kl(ref, token_dists(policy, x, y, V)).reshape(-1, n).mean(-1)
+
+
+def expo_regression(*args, **kwargs):
+    """The paper's second EXPO objective, a regularized-regression form. Not built: the official code
+    (`lmkong020/explicit-preference-optimization`) trains only the compositional loss (`population_loss("expo")`,
+    `train_tabular`), and the regression form's exact equation is in no source this lab can check against."""
+    raise NotImplementedError("EXPO's regression objective is not built: the official code trains only the "
+                              "compositional loss (expo.population_loss('expo', ...)); its exact form is unconfirmed.")

@@ -43,6 +43,8 @@ CONTROLS = {
     "random_heads": "replace the heads under test by random heads of the same layers: the aggregate layer's heads by "
                     "as many drawn from both layers of the minimal model, {G, A} by one head drawn in each of their "
                     "layers; each comparison with random heads then sets random against random (`versus_random`)",
+    "cloze_prompts": "score the aggregate layer's heads against random heads on cloze prompts (the knowledge alone, "
+                     "no options to retrieve from) instead of letter prompts",
     "shuffled": "measure the aggregate row's mass on a randomly drawn wrong option instead of the answer's option",
     "untrained": "the same three architectures at their random initialisation, never trained",
     "ssm_row": "in each hybrid, mask the answer row of the SSM block next to the attention block (MMA: L1, before it; "

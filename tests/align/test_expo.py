@@ -53,8 +53,9 @@ def test_dpo_and_rlhf_population_minimizers_are_the_closed_form(lam):
 def test_expo_population_minimizer_limits_and_preservation():
     torch.testing.assert_close(E.solve("expo", PI_REF, PI_STAR, 1e-6), PI_STAR, atol=1e-5, rtol=0)  # λ→0: π*
     torch.testing.assert_close(E.solve("expo", PI_REF, PI_STAR, 1e6), PI_REF, atol=1e-4, rtol=0)  # λ→∞: π_ref
-    for lam in (0.05, 1.0, 20.0):  # π_ref = π*: preserved for every λ
-        torch.testing.assert_close(E.solve("expo", PI_STAR, PI_STAR, lam), PI_STAR, atol=1e-6, rtol=0)
+    uniform = torch.zeros(len(PI_STAR))  # a start away from π*: at π_ref = π* EXPO's gradient is 0, so a solver
+    for lam in (0.05, 1.0, 20.0):  # that never moved would pass; π_ref = π*: preserved for every λ
+        torch.testing.assert_close(E.solve("expo", PI_STAR, PI_STAR, lam, start=uniform), PI_STAR, atol=1e-6, rtol=0)
     assert E.kl_divergence(PI_STAR, E.solve("dpo", PI_STAR, PI_STAR, 0.5)) > 0.1  # DPO moves the perfect prompt
 
 
@@ -77,6 +78,10 @@ def test_the_preservation_claim_fails_when_expo_is_swapped_for_dpo():
     small = [k for k, ll in enumerate(log_lams) if ll <= 0]
     assert got["expo"].max() < 1e-3 and got["dpo"][small].min() > 0.1  # C1's two checks, with its thresholds
     assert not got["dpo"].max() < 1e-3  # C1's EXPO check fails on DPO's numbers
+    dead = lambda method, logits, *a, **k: (logits * 0).sum()  # a loss with no gradient: its solver never moves
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(E, "population_loss", dead)
+        assert E.preservation_kl("expo", (0.0,)).item() > 0.1  # so C1 fails it: it starts from the uniform policy
     # another context with π_ref = π*: the function solves the one it is given
     other = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
     assert E.preservation_kl("expo", (0.0,), other).abs().max() < 1e-6
@@ -425,3 +430,8 @@ def test_token_kl_expectations_on_the_toy():
     torch.testing.assert_close(got["exact KL(π_ref‖π_θ)"], exact)
     torch.testing.assert_close(got["token KL along π_ref samples"], exact, atol=1e-5, rtol=1e-4)
     assert (got["token KL along chosen responses"] - exact).abs().max() > 1e-3
+
+
+def test_the_regression_objective_is_not_built_and_says_so():
+    with pytest.raises(NotImplementedError, match="compositional"):
+        E.expo_regression()

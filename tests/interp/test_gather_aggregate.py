@@ -78,7 +78,8 @@ def test_the_notebook_declares_the_documented_controls():
     from lab.core.runner import declared_controls
 
     nb = Path(__file__).resolve().parents[2] / "notebooks" / "09_gather_aggregate.ipynb"
-    assert set(declared_controls(nb)) == set(ga.CONTROLS) == {"random_heads", "shuffled", "untrained", "ssm_row"}
+    assert set(declared_controls(nb)) == set(ga.CONTROLS) == {"random_heads", "cloze_prompts", "shuffled",
+                                                              "untrained", "ssm_row"}
 
 
 def test_config_for_scale_and_controls():
