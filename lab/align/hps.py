@@ -90,21 +90,29 @@ class Config:
     sft_steps: int = 300
     sft_lr: float = 3e-3
     steps: int = 30
-    lr: float = 3e-4
+    lr: float = 3e-4  # `train`'s default, for an arm `arm_lrs` does not name
+    lrs: tuple[float, ...] = (3e-4, 1e-3, 3e-3)  # each arm's learning-rate grid (`tuning_table`)
+    tune_offset: int = 1000  # a tuning toy is the toy of seed + tune_offset: held out from the measured seeds 0-9
+    # each arm's lr: `pick_lrs` on notebooks/results/tuning/11_hps.json (tuning toys 1000-1002, 30 steps)
+    arm_lrs: tuple[tuple[str, float], ...] = (
+        ("dpo max-min", 1e-3), ("dpo random", 1e-3), ("pl", 3e-3), ("hps", 3e-4), ("hps curriculum", 1e-3),
+        ("hps γ=-5", 1e-3), ("hps γ=-2", 1e-3), ("hps γ=+2", 3e-4))
     beta: float = 0.25  # hard-coded in the official run_dpo.py
     label_smoothing: float = 0.1  # the official training config's ε, for every DPO-form arm (not PL)
     gamma: float = 5.0  # fixed-γ HPS
     curriculum: tuple[float, float] = (-5.0, 5.0)  # the official hard_i schedule's start and end
     gammas: tuple[float, ...] = (-5.0, -2.0, 0.0, 2.0, 5.0)  # the fixed-γ sweep
     forced_gamma: float | None = None  # a control: every HPS draw uses this γ, whatever the arm asks
+    shuffled_rewards: bool = False  # a control: HPS's sampler sees each prompt's rewards permuted among its negatives
 
     @classmethod
     def for_scale(cls, scale: str, control: str = "") -> Config:
-        """Sizes for the scale; a control (see `CONTROLS`) replaces HPS's sampler, nothing else."""
+        """Sizes for the scale; a control (see `CONTROLS`) replaces what HPS's sampler sees, nothing else."""
         cfg = cls() if scale == "smoke" else cls(steps=90)
         if control and control not in CONTROLS:
             raise ValueError(f"unknown control {control!r}; known: {', '.join(CONTROLS)}")
-        return replace(cfg, forced_gamma={"uniform": 0.0, "easy": -5.0}.get(control))
+        return replace(cfg, forced_gamma=-5.0 if control == "easy" else None,
+                       shuffled_rewards=control == "shuffled_rewards")
 
     def sampler_gamma(self, gamma: float) -> float:
         """The γ HPS's sampler actually uses: the arm's, unless a control forces one."""
@@ -112,10 +120,21 @@ class Config:
 
 
 CONTROLS = {
-    "uniform": "HPS's negatives drawn uniformly (γ = 0 in every HPS arm, the curriculum and the γ sweep): DPO with a "
-               "random negative",
     "easy": "γ = −5 in every HPS arm: the released code's `hard` setting, which favours easy negatives",
+    "shuffled_rewards": "HPS's sampler sees each prompt's rewards permuted among its negatives, so γ no longer tracks "
+                        "hardness; training, metrics and the baselines (max-min pairs, PL's ranking) keep the true "
+                        "rewards",
 }
+
+
+def shuffle_negatives(r: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """`r` with each row's rewards below the row's max permuted among those positions (the best and its ties stay):
+    (B, n) -> (B, n)."""
+    out = r.clone()
+    for row, neg in zip(out, r < r.max(-1, keepdim=True).values):
+        idx = neg.nonzero()[:, 0]
+        row[idx] = row[idx[torch.randperm(len(idx), generator=generator)]]
+    return out
 
 
 @dataclass
@@ -161,11 +180,13 @@ def candidate_logprobs(model: torch.nn.Module, toy: Toy, cfg: Config) -> Tensor:
 
 
 def train(method: str, toy: Toy, cfg: Config, seed: int, quiet: bool | None = None, *,
-          gamma: float | None = None) -> torch.nn.Module:
+          gamma: float | None = None, lr: float | None = None) -> torch.nn.Module:
     """Preference-train a copy of π_ref on every prompt per step with one method: DPO on (best, lowest-reward)
     or (best, random) pairs, listwise Plackett–Luce over all candidates ranked by reward, HPS with fixed γ
     (`gamma`, default `cfg.gamma`), or HPS with the official curriculum (step i of the run is sample i of N).
-    The DPO-form arms use the official label smoothing `cfg.label_smoothing`; PL has none."""
+    The DPO-form arms use the official label smoothing `cfg.label_smoothing`; PL has none. Adam at `lr`
+    (default `cfg.lr`). Under `cfg.shuffled_rewards` HPS's sampler sees the rewards permuted among each
+    prompt's negatives (a permutation drawn once per run from seed + 1, so the sampler's own draws are kept)."""
     import copy
 
     from lab.align.losses import dpo, plackett_luce
@@ -176,6 +197,7 @@ def train(method: str, toy: Toy, cfg: Config, seed: int, quiet: bool | None = No
     rows = torch.arange(len(ref))
     order = toy.r.argsort(-1, descending=True)  # ranking for PL
     eps = cfg.label_smoothing
+    seen = shuffle_negatives(toy.r, torch.Generator().manual_seed(seed + 1)) if cfg.shuffled_rewards else toy.r
 
     def step_loss(step: int) -> Tensor:
         pi = seq_logprobs(policy, toy.prompts, toy.cands, cfg.V)
@@ -184,20 +206,72 @@ def train(method: str, toy: Toy, cfg: Config, seed: int, quiet: bool | None = No
         elif method.startswith("hps"):
             γ = (gamma_schedule(step, cfg.steps, start=cfg.curriculum[0], end=cfg.curriculum[1])
                  if method == "hps curriculum" else cfg.gamma if gamma is None else gamma)
-            loss = hps(pi, ref, beta=cfg.beta, r=toy.r, gamma=cfg.sampler_gamma(γ), generator=g, label_smoothing=eps)
+            loss = hps(pi, ref, beta=cfg.beta, r=seen, gamma=cfg.sampler_gamma(γ), generator=g, label_smoothing=eps)
         else:
             neg = toy.r.argmin(-1) if method == "dpo max-min" else sample_negative(toy.r, 0.0, g)
             loss = dpo(torch.stack([pi[:, 0], pi[rows, neg]], 1), torch.stack([ref[:, 0], ref[rows, neg]], 1),
                        beta=cfg.beta, label_smoothing=eps)
         return loss.mean()
 
-    optimize(policy.parameters(), step_loss, steps=cfg.steps, lr=cfg.lr, desc=method, quiet=quiet)
+    optimize(policy.parameters(), step_loss, steps=cfg.steps, lr=cfg.lr if lr is None else lr, desc=method,
+             quiet=quiet)
     return policy.eval()
 
 
-def gamma_sweep(toy: Toy, cfg: Config, seed: int, quiet: bool | None = None) -> dict[float, dict[str, float]]:
-    """Fixed-γ HPS at each γ of `cfg.gammas` (γ = 0: a uniformly drawn negative): γ → metrics."""
-    return {γ: metrics(train("hps", toy, cfg, seed, quiet, gamma=γ), toy, cfg) for γ in cfg.gammas}
+def arms(cfg: Config) -> dict[str, tuple[str, float | None]]:
+    """Every trained arm, name -> (method, γ): the methods, and fixed-γ HPS at each γ of the sweep that is not
+    already an arm (γ = `cfg.gamma` is "hps"; γ = 0 draws a uniform negative, i.e. is "dpo random")."""
+    extra = {f"hps γ={γ:+g}": ("hps", γ) for γ in cfg.gammas if γ not in (0.0, cfg.gamma)}
+    return {m: (m, None) for m in METHODS} | extra
+
+
+def sweep_arm(cfg: Config, gamma: float) -> str:
+    """The arm that trains fixed-γ HPS at `gamma`."""
+    return "hps" if gamma == cfg.gamma else "dpo random" if gamma == 0 else f"hps γ={gamma:+g}"
+
+
+def tune(toy: Toy, cfg: Config, seed: int, quiet: bool | None = None) -> dict[str, dict[float, dict[str, float]]]:
+    """Every arm trained at every learning rate of `cfg.lrs` on one toy: arm -> lr -> metrics."""
+    return {name: {lr: metrics(train(m, toy, cfg, seed, quiet, gamma=γ, lr=lr), toy, cfg) for lr in cfg.lrs}
+            for name, (m, γ) in arms(cfg).items()}
+
+
+def tuning_table(cfg: Config, seeds: tuple[int, ...] = (0, 1, 2), quiet: bool | None = None
+                 ) -> dict[str, dict[str, dict[str, float]]]:
+    """`tune` on the tuning toys `seed + cfg.tune_offset` (held out from the measured toys), each metric averaged
+    over them: arm -> str(lr) -> mean metrics (the table behind `cfg.arm_lrs`)."""
+    runs = [tune(make_toy(cfg, s + cfg.tune_offset, quiet), cfg, s, quiet) for s in seeds]
+    return {name: {str(lr): {k: sum(t[name][lr][k] for t in runs) / len(runs) for k in runs[0][name][lr]}
+                   for lr in cfg.lrs} for name in runs[0]}
+
+
+def pick_lrs(table: dict[str, dict[str, dict[str, float]]], n: int) -> dict[str, float]:
+    """The one rule every arm's learning rate follows: the largest mean margin over the hardest negative (what the
+    claims compare) among the learning rates that keep a mean mass ≥ 1/n on the best response (π_ref's share; a
+    larger lr moves the DPO-form arms' mass off every candidate); if none does, the largest such mass."""
+    def pick(by_lr: dict[str, dict[str, float]]) -> float:
+        ok = [lr for lr, m in by_lr.items() if m["p_best"] >= 1 / n]
+        best = max(ok, key=lambda lr: by_lr[lr]["margin"]) if ok else max(by_lr, key=lambda lr: by_lr[lr]["p_best"])
+        return float(best)
+    return {name: pick(by_lr) for name, by_lr in table.items()}
+
+
+def load_tuning() -> dict:
+    """The recorded learning-rate table behind `Config.arm_lrs` (notebooks/results/tuning/11_hps.json): its tuning
+    seeds, the mean metrics per arm and lr (`tuning_table`) and the lrs `pick_lrs` takes from it."""
+    import json
+
+    from lab.core.results import path_of
+
+    return json.loads(path_of("tuning/11_hps").read_text())
+
+
+def run_arms(toy: Toy, cfg: Config, seed: int, quiet: bool | None = None
+             ) -> tuple[dict[str, torch.nn.Module], dict[str, dict[str, float]]]:
+    """Every arm trained at its learning rate (`cfg.arm_lrs`): (arm -> policy, arm -> metrics)."""
+    lrs = dict(cfg.arm_lrs)
+    policies = {name: train(m, toy, cfg, seed, quiet, gamma=γ, lr=lrs.get(name)) for name, (m, γ) in arms(cfg).items()}
+    return policies, {name: metrics(p, toy, cfg) for name, p in policies.items()}
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,14 +35,47 @@ def test_no_overflow_and_ties_with_the_best_are_excluded():
         hardness_weights(torch.tensor([[1.0, 1.0]]), 1.0)
 
 
-def test_the_official_code_bugs_and_their_fixes():
-    # 1. overflow: the official sampler exponentiates raw rewards
-    r = torch.tensor([1000.0, 999.0, 0.0], dtype=torch.float64)
-    official = torch.exp(5.0 * r[1:])
-    assert torch.isinf(official).any() and torch.isnan(official / official.sum()).any()
-    # 2. sign: the official `hard` setting's γ = −5 samples the *easiest* negative
-    assert hardness_weights(r[None], -5.0)[0].argmax() == 2 and hardness_weights(r[None], 5.0)[0].argmax() == 1
-    # 3. the curriculum (official `hard_i`) is defined from the first sample (the code's first read fails)
+def official_sampler_probs(rewards, gamma):
+    """What the released `weighted_uniform_sample` draws its negative from, transcribed in spirit (numpy, float64,
+    no max-subtraction): the responses whose exp(reward) equals the largest exp(reward) are dropped, the rest are
+    weighted by exp(γ·reward) and normalised. Returns the probability of each index (NaN where the weights
+    overflow; a prompt with nothing left is not handled here)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        e = np.exp(r)
+        keep = e != e.max()
+        w = np.exp(gamma * r[keep])
+        p = np.zeros(len(r))
+        p[keep] = w / w.sum()
+    return p
+
+
+def test_the_official_sampler_overflows_where_hardness_weights_does_not():
+    # r = [1000, 999, 0]: exp overflows to inf for both 1000 and 999, so the official sampler drops the hardest
+    # negative as a "tie" with the best and always returns the easiest one
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.exp(np.array([1000.0, 999.0]))).all()
+    assert official_sampler_probs([1000.0, 999.0, 0.0], 5.0).tolist() == [0.0, 0.0, 1.0]
+    w = hardness_weights(torch.tensor([[1000.0, 999.0, 0.0]]), 5.0)[0]
+    assert w[1] == pytest.approx(1.0) and w[2] < 1e-300
+    # the weights themselves overflow once γ·r > 709: inf / inf
+    assert np.isnan(official_sampler_probs([1000.0, 150.0, 149.0], 5.0)[1:]).all()
+    torch.testing.assert_close(hardness_weights(torch.tensor([[1000.0, 150.0, 149.0]]), 5.0)[0],
+                               torch.tensor([0.0, 1 / (1 + math.exp(-5)), 1 / (1 + math.exp(5))], dtype=torch.float64))
+    # sign: the official `hard` setting's γ = −5 favours the easiest negative
+    r = torch.tensor([[1.0, 0.9, -1.0]])
+    assert hardness_weights(r, -5.0)[0].argmax() == 2 and hardness_weights(r, 5.0)[0].argmax() == 1
+
+
+@pytest.mark.parametrize("gamma", [-5.0, -2.0, 0.0, 2.0, 5.0, 40.0])
+def test_hardness_weights_match_the_official_sampler_where_it_does_not_overflow(gamma):
+    g = torch.Generator().manual_seed(int(gamma) + 100)
+    r = torch.randn(20, 7, generator=g, dtype=torch.float64) * 3
+    r[0, 3] = r[0].max()  # a tie with the best: excluded by both
+    r[1, 1:4] = r[1, 0]  # so is a three-way tie
+    got = hardness_weights(r, gamma)
+    want = torch.tensor(np.stack([official_sampler_probs(row.tolist(), gamma) for row in r]))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-300)
 
 
 def official_hard_i(n: int) -> list[float]:
@@ -105,29 +139,104 @@ def test_the_toy_candidates_rewards_and_metrics():
     assert 0 <= m["harm"] <= 1 and 0 <= m["p_best"] + m["p_hard"] + m["p_easy"] <= 1 + 1e-6
 
 
-def test_controls_replace_only_the_sampler():
-    """`uniform` makes every HPS arm exactly DPO with a random negative (same draws, same weights, same label
-    smoothing), whatever γ the arm asks for; `easy` forces γ = −5; neither touches the baselines' settings."""
+def test_shuffle_negatives_permutes_each_rows_negatives_uniformly():
+    from lab.align.hps import shuffle_negatives
+
+    r = torch.tensor([[1.0, 0.8, 0.2, -0.5], [2.0, 2.0, 0.0, 1.0], [0.0, 3.0, 1.0, 2.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([shuffle_negatives(r, g) for _ in range(6000)])  # (D, 3, 4)
+    best = r == r.max(-1, keepdim=True).values
+    assert (draws[:, best] == r[best]).all()  # the best and its ties never move
+    for row in range(3):  # each row keeps its own rewards, each negative position sees each of them 1/k of the time
+        neg = (~best[row]).nonzero()[:, 0]
+        vals = r[row, neg]
+        assert (draws[:, row, neg].sort(-1).values == vals.sort().values).all()
+        for j in neg:
+            freq = torch.stack([(draws[:, row, j] == v).double().mean() for v in vals])
+            torch.testing.assert_close(freq, torch.full_like(freq, 1 / len(vals)), atol=0.03, rtol=0)
+
+
+def test_pick_lrs_takes_the_largest_margin_that_keeps_the_best_response():
+    from lab.align.hps import pick_lrs
+
+    table = {"a": {"0.0003": {"margin": 3.0, "p_best": 0.6}, "0.001": {"margin": 5.0, "p_best": 0.3},
+                   "0.003": {"margin": 9.0, "p_best": 0.01}},  # the largest margin, but the mass left the best
+             "b": {"0.0003": {"margin": 3.0, "p_best": 0.05}, "0.001": {"margin": 2.0, "p_best": 0.1}}}
+    assert pick_lrs(table, 8) == {"a": 1e-3, "b": 1e-3}  # b: none keeps 1/8, so the largest mass on the best
+    assert pick_lrs(table, 200) == {"a": 3e-3, "b": 3e-4}
+
+
+def test_arm_lrs_follow_the_recorded_tuning_table():
+    import json
+    from pathlib import Path
+
+    from lab.align.hps import Config, arms, pick_lrs
+
+    cfg = Config()
+    rec = json.loads((Path(__file__).parents[2] / "notebooks/results/tuning/11_hps.json").read_text())
+    assert set(rec["table"]) == set(arms(cfg))
+    assert all(list(t) == [str(x) for x in cfg.lrs] for t in rec["table"].values())
+    assert pick_lrs(rec["table"], 1 + cfg.n_hard + cfg.n_easy) == dict(cfg.arm_lrs) == rec["lrs"]
+    assert min(rec["tune_seeds"]) >= cfg.tune_offset  # held out from the measured seeds 0-9
+
+
+def _small(control=""):
     from dataclasses import replace
 
-    from lab.align.hps import CONTROLS, Config, make_toy, train
+    from lab.align.hps import Config
 
-    base = replace(Config.for_scale("smoke"), n_prompts=3, sft_steps=5, d_model=16, steps=4)
-    uni = replace(Config.for_scale("smoke", "uniform"), n_prompts=3, sft_steps=5, d_model=16, steps=4)
-    easy = Config.for_scale("smoke", "easy")
-    assert (base.forced_gamma, uni.forced_gamma, easy.forced_gamma) == (None, 0.0, -5.0)
-    assert replace(uni, forced_gamma=None) == base and set(CONTROLS) == {"uniform", "easy"}
+    return replace(Config.for_scale("smoke", control), n_prompts=3, sft_steps=5, d_model=16, steps=4)
+
+
+def _same(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_controls_change_only_what_they_name():
+    """`easy` forces γ = −5 in every HPS arm; `shuffled_rewards` hands HPS's sampler the rewards permuted among
+    each prompt's negatives (the permutation from seed + 1). The baselines, the learning rates, the metrics and
+    every other setting stay."""
+    from dataclasses import replace
+
+    from lab.align.hps import CONTROLS, Config, Toy, make_toy, metrics, shuffle_negatives, train
+
+    base, easy, shuf = _small(), _small("easy"), _small("shuffled_rewards")
+    assert set(CONTROLS) == {"easy", "shuffled_rewards"}
+    assert (easy.forced_gamma, easy.shuffled_rewards) == (-5.0, False)
+    assert (shuf.forced_gamma, shuf.shuffled_rewards) == (None, True)
+    assert replace(easy, forced_gamma=None) == base == replace(shuf, shuffled_rewards=False)
     assert base.label_smoothing == 0.1 and base.beta == 0.25  # the official training config
     toy = make_toy(base, 0)
-    b = train("dpo random", toy, base, 0)
-    for arm, gamma in (("hps", None), ("hps", 2.0), ("hps curriculum", None)):
-        a = train(arm, toy, uni, 0, gamma=gamma)
-        for p, q in zip(a.parameters(), b.parameters()):
-            torch.testing.assert_close(p, q, rtol=0, atol=0)
-    c = train("hps", toy, base, 0)  # the paper's γ = 5 does move differently
-    assert any(not torch.equal(p, q) for p, q in zip(b.parameters(), c.parameters()))
+    for method in ("dpo max-min", "dpo random", "pl"):
+        b = train(method, toy, base, 0, lr=1e-3)
+        assert _same(b, train(method, toy, easy, 0, lr=1e-3)) and _same(b, train(method, toy, shuf, 0, lr=1e-3))
+    seen = Toy(toy.reference, toy.prompts, toy.cands, shuffle_negatives(toy.r, torch.Generator().manual_seed(1)))
+    assert not torch.equal(seen.r, toy.r)
+    for arm, gamma in (("hps", None), ("hps", -2.0), ("hps curriculum", None)):
+        assert _same(train(arm, toy, easy, 0, gamma=gamma), train("hps", toy, base, 0, gamma=-5.0))
+        s = train(arm, toy, shuf, 0, gamma=gamma)
+        assert _same(s, train(arm, seen, base, 0, gamma=gamma)) and not _same(s, train(arm, toy, base, 0, gamma=gamma))
+        assert metrics(s, toy, shuf) == metrics(s, toy, base)  # the metrics keep the true rewards
+    # a sanity, not a control: with γ = 0 every HPS arm is DPO with a random negative, bit for bit
+    uni = replace(base, forced_gamma=0.0)
+    assert _same(train("hps curriculum", toy, uni, 0), train("dpo random", toy, base, 0))
     with pytest.raises(ValueError, match="unknown control"):
         Config.for_scale("smoke", "nonsense")
+
+
+def test_run_arms_trains_each_arm_at_its_learning_rate():
+    from lab.align.hps import arms, make_toy, metrics, run_arms, sweep_arm, train
+
+    cfg = _small()
+    toy = make_toy(cfg, 0)
+    policies, results = run_arms(toy, cfg, 0, quiet=True)
+    assert set(policies) == set(arms(cfg)) == {"dpo max-min", "dpo random", "pl", "hps", "hps curriculum",
+                                                 "hps γ=-5", "hps γ=-2", "hps γ=+2"}
+    assert [sweep_arm(cfg, g) for g in cfg.gammas] == ["hps γ=-5", "hps γ=-2", "dpo random", "hps γ=+2", "hps"]
+    lrs = dict(cfg.arm_lrs)
+    for name, (method, gamma) in arms(cfg).items():
+        assert _same(policies[name], train(method, toy, cfg, 0, gamma=gamma, lr=lrs[name]))
+    assert results["hps γ=-5"] == metrics(train("hps", toy, cfg, 0, gamma=-5.0, lr=lrs["hps γ=-5"]), toy, cfg)
 
 
 def test_sft_and_preference_training_are_plain_adam_loops_bit_for_bit():
