@@ -54,6 +54,8 @@ class Config:
     # the analytical tool with prompts of heterogeneous reward scales (claim I2)
     het_sigmas: tuple[float, ...] = (1.0, 0.2, 0.05)  # per-prompt scale σ of a raw N(0, σ²) reward
     het_t: float = 10.0  # CTRL's exp(t·u) in that comparison
+    z_ts: tuple[float, ...] = (0.1, 0.25, 0.5, 1, 2, 3, 5, 7, 10, 15, 20, 30, 40)  # the baseline exp(t·z)'s t: CTRL's
+    # grid `TS` and smaller t (z spans about ±3 where u spans [0, 1]; t → 0 is the z-scored reward itself)
     # tiny transformer by exact enumeration: V^L responses, prompts with heterogeneous reward scales
     V: int = 6
     L: int = 3
@@ -63,7 +65,7 @@ class Config:
     lr: float = 3e-3
     lm_kl: float = 0.5
     lm_N: int = 4
-    lm_ts: tuple[float, ...] = (5.0, 10.0)  # CTRL's exp(t·u) on the tiny transformer
+    lm_ts: tuple[float, ...] = (10.0,)  # CTRL's exp(t·u) on the tiny transformer
     cal_Ks: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128, 256, 1024)  # base samples per prompt for the sampled Ĉ
     cal_K: int = 32  # the K of claim I6
     cal_draws: int = 8  # independent K-sample draws averaged per K
@@ -107,8 +109,10 @@ def exp_won(t: float) -> Transform:
 CONTROLS = {
     "identity": "CTRL's transform Φ_t replaced by the identity on the calibrated reward (calibrated RLHF, "
                 "InfAlign's own baseline), for every t and both signs",
-    "raw": "CTRL's per-prompt calibration replaced by the raw reward, min-max scaled to [0, 1] over all prompts "
-           "(standard RLHF's reward, brought into the transforms' range)",
+    "swapped_sign": "CTRL's transform given the other procedure's sign: −exp(−t·u) where BoN asks for exp(+t·u) "
+                    "and exp(+t·u) where WoN asks for −exp(−t·u) (still increasing: the wrong tail is stretched)",
+    "global_calibration": "CTRL's per-prompt calibration replaced by the quantile against π_ref pooled over all "
+                          "prompts (one CDF for every prompt; sampled: the K base samples of every prompt pooled)",
 }
 
 
@@ -120,9 +124,12 @@ def check_control(control: str) -> str:
 
 def transform(kind: str, t: float, control: str = "") -> Transform:
     """CTRL's transform: exp(t·u) for BoN (`kind="bon"`), −exp(−t·u) for WoN; the identity under the
-    `identity` control."""
-    if check_control(control) == "identity":
+    `identity` control, the other kind's exponential under `swapped_sign`."""
+    control = check_control(control)
+    if control == "identity":
         return identity
+    if control == "swapped_sign":
+        kind = "won" if kind == "bon" else "bon"
     return exp_bon(t) if kind == "bon" else exp_won(t)
 
 

@@ -6,8 +6,10 @@ put to work on several prompts whose raw rewards have different scales under one
 the KL budget on the large-scale prompts, CTRL's per-prompt quantile gives every prompt the same tilt. Measured two
 ways: the analytical tool over several prompts (`heterogeneous`), and a tiny transformer whose V^L responses are
 scored by exact enumeration (`lm_toy`, `lm_compare`), where CTRL's Ĉ from K base samples per prompt
-(`infalign.calibrate`, `calibration_sweep`) is set beside the exact C. Sizes come from `infalign.Config`; the
-controls are `infalign.CONTROLS`. Kept apart from the paper module so that each reads in one sitting.
+(`infalign.calibrate`, `calibration_sweep`) is set beside the exact C. Beside raw RLHF stand two baselines tuned
+like CTRL: the per-prompt z-scored reward (r − E_ref r)/sd_ref r (GRPO-style normalization) and exp(t·z) on it, t
+picked per seed on the metric. Sizes come from `infalign.Config`; the controls are `infalign.CONTROLS`. Kept apart
+from the paper module so that each reads in one sitting.
 """
 
 from __future__ import annotations
@@ -40,10 +42,57 @@ def rescaled(phi: Transform) -> Transform:
     return lambda u: (phi(u) - lo) / (hi - lo)
 
 
-def minmax(r: Tensor) -> Tensor:
-    """The `raw` control's calibration: the raw reward min-max scaled over all prompts (a global affine map, no
-    per-prompt quantile)."""
-    return (r - r.min()) / (r.max() - r.min())
+def zscore(ref_logp: Tensor, r: Tensor) -> Tensor:
+    """The per-prompt z-scored reward (r − E_ref r) / sd_ref r under π_ref (rows: prompts; GRPO-style): a per-prompt
+    affine map, so it removes scale and shift but not the shape of each prompt's reward distribution."""
+    p = ref_logp.double().exp()
+    mu = (p * r).sum(-1, keepdim=True)
+    return (r - mu) / (p * (r - mu) ** 2).sum(-1, keepdim=True).sqrt()
+
+
+def exp_z(z: Tensor, t: float) -> Tensor:
+    """The baseline exp(t·z) on a z-scored reward, divided by its largest value over all prompts (a constant factor,
+    absorbed by β; it keeps exp(t·z) finite)."""
+    return torch.exp(t * (z - z.max()))
+
+
+def calibrate_global(ref_logp: Tensor, r: Tensor) -> Tensor:
+    """The `global_calibration` control's C: each reward's quantile under π_ref pooled over the prompts (the uniform
+    mixture of the rows of π_ref), ties ½: one CDF for every prompt, so the prompts' scales come back (C, S)."""
+    pool, order = r.reshape(-1).sort()
+    w = (ref_logp.double().exp() / len(r)).reshape(-1)[order]
+    cw = torch.cat([w.new_zeros(1), w.cumsum(0)])  # pooled mass below each sorted position
+    lo, hi = torch.searchsorted(pool, r.contiguous()), torch.searchsorted(pool, r.contiguous(), right=True)
+    return cw[lo] + 0.5 * (cw[hi] - cw[lo])
+
+
+def calibration(ref_logp: Tensor, r: Tensor, control: str = "") -> Tensor:
+    """CTRL's calibrated reward (C, S): the exact per-prompt quantile `lab.align.exact.calibrate_exact`; under the
+    `global_calibration` control the quantile against π_ref pooled over the prompts (`calibrate_global`)."""
+    if check_control(control) == "global_calibration":
+        return calibrate_global(ref_logp, r)
+    return X.calibrate_exact(ref_logp, r)
+
+
+def best_t(ref_logp: Tensor, z: Tensor, r: Tensor, cfg: Config) -> float:
+    """The baseline's t: the t of `cfg.z_ts` whose exp(t·z) has the best BoN-`cfg.lm_N` win rate (true reward r)
+    on the closed form π_ref·e^{R/β} at mean KL `cfg.lm_kl`, β shared by the prompts (tuned on the metric, like
+    CTRL's t on the analytical tool)."""
+    def bon(t: float) -> float:
+        R = exp_z(z, t)
+        logp = X.tilt_logp(ref_logp, R, X.beta_for_kl(ref_logp, R, cfg.lm_kl))
+        return float(X.win_rate(logp, ref_logp, r, cfg.lm_N).mean())
+
+    return max(cfg.z_ts, key=bon)
+
+
+BASELINES = {"std": ("raw RLHF", "z-scored"), "bon": ("raw RLHF", "z-scored", "z-scored exp(tz)")}
+
+
+def best_baseline(by: dict[str, dict[str, float]], metric: str) -> float:
+    """The strongest baseline's value of `metric` among `by`'s rewards ({reward: {metric: value}}): raw RLHF and
+    z-scored for the standard win rate ("std"), and for BoN ("bon") exp(t·z) too (its t is tuned for BoN)."""
+    return max(by[m][metric] for m in BASELINES[metric])
 
 
 # ------------------------------------------------------------- the analytical tool over several prompts (I2)
@@ -61,32 +110,31 @@ def shared_beta(R: Tensor, u: Tensor, target: float) -> float:
 def heterogeneous(cfg: Config, control: str = "") -> dict[str, dict[str, float | list[float]]]:
     """The analytical tool with several prompts whose raw rewards have different scales: under π_ref prompt i's
     reward is σ_i·z, z ~ N(0, 1), i.e. r_i(u) = σ_i·Φ_N^{-1}(u) at its calibrated reward u. Raw RLHF tilts by r_i,
-    CTRL by the calibrated u (the same for every prompt) or by exp(t·u) rescaled to [0, 1]; one β, shared by the
-    prompts, matches the mean KL `cfg.lm_kl` (a derivation for this lab, not the paper's text). Under the `raw`
-    control the calibration is the raw reward min-max scaled over all prompts, under `identity` the transform is
-    the identity. Returns {reward: {"beta", "kl" (per prompt), "std", "bon" (BoN-`cfg.lm_N`, mean over prompts)}}."""
+    the baselines by the per-prompt z-scored reward (`zscore`) or exp(t·z) (`exp_z`, t of `cfg.z_ts` with the best
+    BoN-`cfg.lm_N` win rate), CTRL by the calibrated u (the same for every prompt) or by exp(t·u) rescaled to [0, 1];
+    one β, shared by the prompts, matches the mean KL `cfg.lm_kl` (a derivation for this lab, not the paper's text).
+    A control substitutes CTRL's calibration or transform (`infalign.CONTROLS`). Returns {reward: {"beta", "kl" (per
+    prompt), "std", "bon" (BoN-`cfg.lm_N`, mean over prompts)}}, and "t" for exp(t·z)."""
     u = grid(cfg.M)
     r = torch.tensor(cfg.het_sigmas, dtype=torch.float64)[:, None] * raw_gaussian(u)  # (P, M)
-    cal = minmax(r) if check_control(control) == "raw" else u.expand_as(r)
-    rewards = {"raw RLHF": r, "CTRL identity": cal,
-               f"CTRL exp({cfg.het_t:g}u)": rescaled(transform("bon", cfg.het_t, control))(cal)}
-    out = {}
-    for name, R in rewards.items():
+    ref = torch.full_like(r, -math.log(cfg.M))  # π_ref: uniform over the grid's cells
+    cal = calibrate_global(ref, r) if check_control(control) == "global_calibration" else u.expand_as(r)
+    z = zscore(ref, r)
+
+    def measure(R: Tensor) -> dict[str, float | list[float]]:
         beta = shared_beta(R, u, cfg.lm_kl)
         qs = density(R, beta, u)
-        out[name] = {"beta": beta, "kl": [kl_to_base(q) for q in qs],
-                     "std": sum(win_rate(q) for q in qs) / len(qs),
-                     "bon": sum(win_rate(q, cfg.lm_N, "bon") for q in qs) / len(qs)}
-    return out
+        return {"beta": beta, "kl": [kl_to_base(q) for q in qs], "std": sum(win_rate(q) for q in qs) / len(qs),
+                "bon": sum(win_rate(q, cfg.lm_N, "bon") for q in qs) / len(qs)}
+
+    by_t = {t: measure(exp_z(z, t)) for t in cfg.z_ts}
+    t = max(by_t, key=lambda k: by_t[k]["bon"])
+    return {"raw RLHF": measure(r), "z-scored": measure(z), "z-scored exp(tz)": by_t[t] | {"t": t},
+            "CTRL identity": measure(cal),
+            f"CTRL exp({cfg.het_t:g}u)": measure(rescaled(transform("bon", cfg.het_t, control))(cal))}
 
 
 # ------------------------------------------ the tiny transformer, by exact enumeration (I5, I6)
-
-def calibration(ref_logp: Tensor, r: Tensor, control: str = "") -> Tensor:
-    """CTRL's calibrated reward (C, S): the exact per-prompt quantile `lab.align.exact.calibrate_exact`; under the
-    `raw` control the raw reward min-max scaled over all prompts (`minmax`)."""
-    return minmax(r) if check_control(control) == "raw" else X.calibrate_exact(ref_logp, r)
-
 
 @dataclass
 class LMToy:
@@ -116,12 +164,15 @@ def lm_toy(cfg: Config, seed: int) -> LMToy:
     return LMToy(model.eval(), prompts, seqs, ref, r.double())
 
 
-def lm_rewards(toy: LMToy, cfg: Config, control: str = "") -> dict[str, Tensor]:
-    """The rewards compared on the tiny transformer (C, S): raw RLHF's, CTRL's calibrated identity and
-    CTRL's exp(t·u) for each t of `cfg.lm_ts`, rescaled to [0, 1] (a control substitutes calibration or transform)."""
+def lm_rewards(toy: LMToy, cfg: Config, control: str = "", t_z: float | None = None) -> dict[str, Tensor]:
+    """The rewards compared on the tiny transformer (C, S): raw RLHF's; the baselines, the per-prompt z-scored reward
+    and exp(t·z) on it (t = `t_z`, by default `best_t`); CTRL's calibrated identity and CTRL's exp(t·u) for each t
+    of `cfg.lm_ts`, rescaled to [0, 1] (a control substitutes CTRL's calibration or transform, nothing else)."""
+    z = zscore(toy.ref_logp, toy.r)
+    t_z = best_t(toy.ref_logp, z, toy.r, cfg) if t_z is None else t_z
     cal = calibration(toy.ref_logp, toy.r, control)  # exact per-prompt quantile
-    return {"raw RLHF": toy.r, "CTRL identity": cal} | {f"CTRL exp({t:g}u)": rescaled(transform("bon", t, control))(cal)
-                                                        for t in cfg.lm_ts}
+    ctrl = {f"CTRL exp({t:g}u)": rescaled(transform("bon", t, control))(cal) for t in cfg.lm_ts}
+    return {"raw RLHF": toy.r, "z-scored": z, "z-scored exp(tz)": exp_z(z, t_z), "CTRL identity": cal} | ctrl
 
 
 def lm_metrics(logp: Tensor, toy: LMToy, N: int) -> dict[str, float]:
@@ -135,22 +186,28 @@ def lm_compare(toy: LMToy, cfg: Config, control: str = "",
                quiet: bool | None = None) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, float]]:
     """For each reward of `lm_rewards`: one β shared by the prompts with mean KL `cfg.lm_kl` on the closed form
     π_ref·e^{R/β}, then a copy of π_ref trained on the exact KL-regularized objective at that β
-    (`lab.align.exact.train_rlhf_all`). Returns {reward: {"closed" | "trained": `lm_metrics`}} and {reward: β}."""
+    (`lab.align.exact.train_rlhf_all`). Returns {reward: {"closed" | "trained": `lm_metrics`}} (and "t", the
+    baseline's t, for exp(t·z)) and {reward: β}."""
     lm, betas = {}, {}
-    for name, R in lm_rewards(toy, cfg, control).items():
+    t_z = best_t(toy.ref_logp, zscore(toy.ref_logp, toy.r), toy.r, cfg)
+    for name, R in lm_rewards(toy, cfg, control, t_z).items():
         betas[name] = beta = X.beta_for_kl(toy.ref_logp, R, cfg.lm_kl)
         closed = X.tilt_logp(toy.ref_logp, R, beta)
         trained = X.train_rlhf_all(copy.deepcopy(toy.reference), toy.prompts, toy.ref_logp, R.float(), beta, cfg.V,
                                    cfg.L, steps=cfg.rl_steps, lr=cfg.lr, quiet=quiet).double()
         lm[name] = {"closed": lm_metrics(closed, toy, cfg.lm_N), "trained": lm_metrics(trained, toy, cfg.lm_N)}
+    lm["z-scored exp(tz)"]["t"] = t_z
     return lm, betas
 
 
-def sampled_calibration(toy: LMToy, K: int, generator: torch.Generator) -> Tensor:
+def sampled_calibration(toy: LMToy, K: int, generator: torch.Generator, control: str = "") -> Tensor:
     """CTRL's Ĉ as the algorithm computes it (`calibrate`): each prompt's rewards ranked among K responses
-    drawn from π_ref for that prompt (C, S)."""
+    drawn from π_ref for that prompt (C, S); under `global_calibration` among the C·K draws of all prompts pooled."""
     idx = torch.multinomial(toy.ref_logp.double().exp(), K, replacement=True, generator=generator)  # (C, K)
-    return calibrate(toy.r.gather(1, idx), toy.r)
+    base = toy.r.gather(1, idx)
+    if check_control(control) == "global_calibration":
+        base = base.reshape(1, -1).expand(len(base), -1)  # (C, C·K): every prompt ranked against the pool
+    return calibrate(base, toy.r)
 
 
 def calibration_sweep(toy: LMToy, cfg: Config, seed: int, control: str = "") -> dict[str, dict[str, float]]:
@@ -160,8 +217,8 @@ def calibration_sweep(toy: LMToy, cfg: Config, seed: int, control: str = "") -> 
     at matched KL `cfg.lm_kl` on the closed form π_ref·e^{R/β}: its BoN-N win rate "bon" (against π_ref, with the
     true reward) and its mass "sat" on the saturated responses, those ranked above all K samples (Ĉ = 1, where
     the reward stops increasing), beside their π_ref mass "sat_ref"; CTRL identity on the same Ĉ: its BoN-N win
-    rate "bon_identity" and standard win rate "std". A control substitutes the calibration (`raw`: the global
-    min-max map, no sample is used) or the transform (`lab.align.infalign.CONTROLS`)."""
+    rate "bon_identity" and standard win rate "std". A control substitutes the calibration (`global_calibration`: the
+    exact C and Ĉ against π_ref pooled over the prompts) or the transform (`lab.align.infalign.CONTROLS`)."""
     exact, ref_p = calibration(toy.ref_logp, toy.r, control), toy.ref_logp.double().exp()
     phi = rescaled(transform("bon", max(cfg.lm_ts), control))
     g = torch.Generator().manual_seed(seed)
@@ -178,8 +235,7 @@ def calibration_sweep(toy: LMToy, cfg: Config, seed: int, control: str = "") -> 
 
     out = {}
     for K in cfg.cal_Ks:
-        draws = [measure(exact)] if control == "raw" else [measure(sampled_calibration(toy, K, g))
-                                                           for _ in range(cfg.cal_draws)]
+        draws = [measure(sampled_calibration(toy, K, g, control)) for _ in range(cfg.cal_draws)]
         out[f"K={K}"] = {k: sum(d[k] for d in draws) / len(draws) for k in draws[0]}
     out["exact"] = measure(exact)
     return out

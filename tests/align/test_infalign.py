@@ -73,18 +73,72 @@ def test_controls_substitute_the_transform_and_the_calibration():
     torch.testing.assert_close(I.transform("won", 5.0)(u), -torch.exp(-5.0 * u))
     for kind in ("bon", "won"):
         torch.testing.assert_close(I.transform(kind, 5.0, "identity")(u), u)
+        torch.testing.assert_close(I.transform(kind, 5.0, "global_calibration")(u), I.transform(kind, 5.0)(u))
+    # `swapped_sign`: each procedure gets the other's exponential, still increasing in u
+    torch.testing.assert_close(I.transform("bon", 5.0, "swapped_sign")(u), -torch.exp(-5.0 * u))
+    torch.testing.assert_close(I.transform("won", 5.0, "swapped_sign")(u), torch.exp(5.0 * u))
+    assert (I.transform("bon", 5.0, "swapped_sign")(u).diff() > 0).all()
     # under `identity` the best "exponential" is the identity itself: the BoN gain (I3) vanishes
     assert I.best_exp(4, "bon", 0.5, control="identity")[1] == pytest.approx(I.win_at_kl(I.identity, 4, "bon", 0.5))
     assert I.best_exp(4, "bon", 0.5)[1] > I.best_exp(4, "bon", 0.5, control="identity")[1] + 0.05
-    # calibration: per-prompt quantiles (scale-free) vs the `raw` control's global min-max map (scale kept)
+    # under `swapped_sign` the BoN column holds the best −exp(−tu) under the BoN win rate: below the identity
+    swapped = I.best_exp(4, "bon", 0.5, control="swapped_sign")[1]
+    assert swapped == pytest.approx(max(I.win_at_kl(I.exp_won(t), 4, "bon", 0.5) for t in I.TS), abs=1e-12)
+    assert swapped < I.win_at_kl(I.identity, 4, "bon", 0.5)
+    # calibration: per-prompt quantiles (scale-free) vs the `global_calibration` control's pooled quantile
     ref = torch.full((2, 4), 0.25, dtype=torch.float64).log()
     r = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
     cal = S.calibration(ref, r)
     torch.testing.assert_close(cal[0], cal[1])
-    raw = S.calibration(ref, r, "raw")
-    assert float(raw.min()) == 0.0 and float(raw.max()) == 1.0 and raw[1].max() < raw[0].min() + 0.1
+    for control in ("identity", "swapped_sign"):  # the transform controls leave calibration alone
+        torch.testing.assert_close(S.calibration(ref, r, control), cal)
+    pooled = S.calibration(ref, r, "global_calibration")  # the 8 rewards ranked together: the small prompt sits low
+    torch.testing.assert_close(pooled, torch.tensor([[0.5625, 0.6875, 0.8125, 0.9375],
+                                                     [0.0625, 0.1875, 0.3125, 0.4375]], dtype=torch.float64))
     with pytest.raises(ValueError, match="unknown control"):
         I.transform("bon", 1.0, "nope")
+
+
+def test_global_calibration_against_a_naive_loop_and_monte_carlo():
+    """`calibrate_global` (sorted, cumulative) against the definition, pair by pair, with ties and unequal π_ref;
+    and against sampling from the pooled π_ref (a uniform mixture over prompts)."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(3, 7, generator=g, dtype=torch.float64).log_softmax(-1)
+    r = torch.randint(0, 5, (3, 7), generator=g).double() * torch.tensor([[1.0], [0.5], [2.0]])  # ties within/across
+    got = S.calibrate_global(ref, r)
+    p = ref.exp() / 3
+    for c in range(3):
+        for y in range(7):
+            want = sum(float(p[d, k]) * (float(r[d, k] < r[c, y]) + 0.5 * float(r[d, k] == r[c, y]))
+                       for d in range(3) for k in range(7))
+            assert float(got[c, y]) == pytest.approx(want, abs=1e-12)
+    n = 400_000
+    prompt = torch.randint(0, 3, (n,), generator=g)
+    resp = torch.multinomial(ref.exp(), n, replacement=True, generator=g)[prompt, torch.arange(n)]
+    draws = r[prompt, resp]
+    x = r.reshape(-1, 1)
+    mc = (draws[None] < x).double().mean(-1) + 0.5 * (draws[None] == x).double().mean(-1)
+    torch.testing.assert_close(got.reshape(-1), mc, atol=4e-3, rtol=0)
+
+
+def test_zscore_and_exp_z_against_numpy():
+    import numpy as np
+
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(2, 9, generator=g, dtype=torch.float64).log_softmax(-1)
+    r = torch.randn(2, 9, generator=g, dtype=torch.float64) * torch.tensor([[3.0], [0.01]]) + 5
+    z = S.zscore(ref, r)
+    for c in range(2):
+        p, x = ref[c].exp().numpy(), r[c].numpy()
+        mu = np.average(x, weights=p)
+        want = (x - mu) / math.sqrt(np.average((x - mu) ** 2, weights=p))
+        np.testing.assert_allclose(z[c].numpy(), want, atol=1e-10)
+    torch.testing.assert_close(S.zscore(ref, r * 7 - 2), z)  # a per-prompt affine map is removed
+    torch.testing.assert_close(S.exp_z(z, 2.0), torch.exp(2.0 * z) / torch.exp(2.0 * z).max())
+    assert S.best_baseline({"raw RLHF": {"std": 0.6, "bon": 0.6}, "z-scored": {"std": 0.7, "bon": 0.7},
+                            "z-scored exp(tz)": {"std": 0.9, "bon": 0.8}}, "std") == 0.7  # exp(tz) tuned for BoN
+    assert S.best_baseline({"raw RLHF": {"bon": 0.6}, "z-scored": {"bon": 0.7}, "z-scored exp(tz)": {"bon": 0.8}},
+                           "bon") == 0.8
 
 
 def test_kl_to_base_is_the_kl_of_the_tilted_policy_to_the_base():
@@ -146,21 +200,42 @@ def test_matched_kl_table_rows_and_the_identity_control():
 def test_the_tiny_transformer_rewards_metrics_and_comparison():
     from dataclasses import replace
 
-    cfg = replace(I.Config(), sft_steps=5, rl_steps=3, lm_ts=(5.0,))
+    cfg = replace(I.Config(), sft_steps=5, rl_steps=3, lm_ts=(5.0,), z_ts=(0.5, 2.0))
     toy = S.lm_toy(cfg, 0)
     rewards = S.lm_rewards(toy, cfg)
-    assert list(rewards) == ["raw RLHF", "CTRL identity", "CTRL exp(5u)"]
+    assert list(rewards) == ["raw RLHF", "z-scored", "z-scored exp(tz)", "CTRL identity", "CTRL exp(5u)"]
     torch.testing.assert_close(rewards["CTRL identity"], X.calibrate_exact(toy.ref_logp, toy.r))
     cal = rewards["CTRL identity"]
     torch.testing.assert_close(rewards["CTRL exp(5u)"], (torch.exp(5 * cal) - 1) / (math.exp(5) - 1))
-    raw = S.lm_rewards(toy, cfg, "raw")["CTRL identity"]
-    torch.testing.assert_close(raw, (toy.r - toy.r.min()) / (toy.r.max() - toy.r.min()))
+    # the baseline's t: the best of `z_ts` by the closed form's BoN-4 win rate, found by brute force here
+    z = S.zscore(toy.ref_logp, toy.r)
+    bon = {}
+    for t in cfg.z_ts:
+        R = S.exp_z(z, t)
+        logp = X.tilt_logp(toy.ref_logp, R, X.beta_for_kl(toy.ref_logp, R, 0.5))
+        bon[t] = float(X.win_rate(logp, toy.ref_logp, toy.r, 4).mean())
+    t_best = max(bon, key=bon.get)
+    assert S.best_t(toy.ref_logp, z, toy.r, cfg) == t_best
+    torch.testing.assert_close(rewards["z-scored exp(tz)"], S.exp_z(z, t_best))
+    # each control changes only what it names: the baselines never move; global_calibration only the calibration,
+    # swapped_sign and identity only the transform
+    glob = S.lm_rewards(toy, cfg, "global_calibration")
+    swap = S.lm_rewards(toy, cfg, "swapped_sign")
+    for got in (glob, swap, S.lm_rewards(toy, cfg, "identity")):
+        for name in ("raw RLHF", "z-scored", "z-scored exp(tz)"):
+            torch.testing.assert_close(got[name], rewards[name])
+    g = S.calibrate_global(toy.ref_logp, toy.r)
+    torch.testing.assert_close(glob["CTRL identity"], g)
+    torch.testing.assert_close(glob["CTRL exp(5u)"], (torch.exp(5 * g) - 1) / (math.exp(5) - 1))
+    torch.testing.assert_close(swap["CTRL identity"], cal)
+    torch.testing.assert_close(swap["CTRL exp(5u)"], (1 - torch.exp(-5 * cal)) / (1 - math.exp(-5)))
     base = S.lm_metrics(toy.ref_logp.double(), toy, 4)  # π_ref against itself
     assert base["kl"] == pytest.approx(0.0, abs=1e-12) and base["bon"] == pytest.approx(0.5)
     assert base["std"] == pytest.approx(0.5)
     lm, betas = S.lm_compare(toy, cfg, quiet=True)
     assert list(lm) == list(rewards) == list(betas) and set(lm["raw RLHF"]) == {"closed", "trained"}
-    for name in lm:
+    assert lm["z-scored exp(tz)"]["t"] == t_best
+    for name in betas:
         assert lm[name]["closed"]["kl"] == pytest.approx(cfg.lm_kl, abs=1e-6)  # β matched on the closed form
     assert lm["CTRL exp(5u)"]["closed"]["bon"] > lm["CTRL identity"]["closed"]["bon"] > 0.5
 
@@ -258,11 +333,26 @@ def test_heterogeneous_scales_against_the_gaussian_tilt_closed_form():
     cal = got["CTRL identity"]
     assert cal["kl"] == pytest.approx([cfg.lm_kl] * len(cfg.het_sigmas), abs=1e-6)
     assert cal["std"] == pytest.approx(I.win_at_kl(I.identity, 1, "bon", cfg.lm_kl, M=cfg.M), abs=1e-6)
-    assert list(got) == ["raw RLHF", "CTRL identity", "CTRL exp(10u)"]
-    # the controls: the global min-max map is an affine map of the raw reward (same tilt at matched KL); the
-    # identity control leaves the calibrated identity in place of the exponential
-    ctl = S.heterogeneous(cfg, "raw")
-    assert ctl["CTRL identity"]["std"] == pytest.approx(raw["std"], abs=1e-6)
+    assert list(got) == ["raw RLHF", "z-scored", "z-scored exp(tz)", "CTRL identity", "CTRL exp(10u)"]
+    # z-scoring makes every prompt the N(0, 1) reward: its standard win rate is the single-prompt Gaussian tilt's
+    zs = got["z-scored"]
+    assert zs["kl"] == pytest.approx([cfg.lm_kl] * len(cfg.het_sigmas), abs=1e-3)
+    assert zs["std"] == pytest.approx(I.win_at_kl(I.raw_gaussian, 1, "bon", cfg.lm_kl, M=cfg.M), abs=1e-3)
+    small = replace(cfg, M=1000)  # the baseline's t is the best of `z_ts` for BoN-4: brute force
+    assert S.heterogeneous(small)["z-scored exp(tz)"]["bon"] == max(
+        S.heterogeneous(replace(small, z_ts=(t,)))["z-scored exp(tz)"]["bon"] for t in cfg.z_ts)
+    # the controls: `global_calibration` ranks prompt i's reward σ_i·z under the pooled CDF mean_j Φ_N(σ_i·z/σ_j)
+    # (closed form) and leaves the baselines alone; `identity` leaves the calibrated identity for the exponential
+    glob = S.heterogeneous(cfg, "global_calibration")
+    for name in ("raw RLHF", "z-scored", "z-scored exp(tz)"):
+        assert glob[name] == got[name]
+    sig = torch.tensor(cfg.het_sigmas, dtype=torch.float64)
+    zg = I.raw_gaussian(I.grid(cfg.M))
+    pooled = torch.special.ndtr(sig[:, None, None] * zg / sig[None, :, None]).mean(1)  # (P, M)
+    beta = S.shared_beta(pooled, I.grid(cfg.M), cfg.lm_kl)
+    want = sum(I.win_rate(q) for q in I.density(pooled, beta, I.grid(cfg.M))) / len(sig)
+    assert glob["CTRL identity"]["std"] == pytest.approx(want, abs=1e-4)
+    assert glob["CTRL identity"]["std"] < got["z-scored"]["std"] < cal["std"]  # I2 broken by its mechanism
     ident = S.heterogeneous(cfg, "identity")
     assert ident["CTRL exp(10u)"]["bon"] == pytest.approx(cal["bon"], abs=1e-9)
 
@@ -292,3 +382,12 @@ def test_sampled_calibration_ranks_among_k_base_draws_and_converges_to_the_exact
     assert sweep["exact"]["bon"] == pytest.approx(lm["CTRL exp(10u)"]["closed"]["bon"], abs=1e-9)
     ident = S.calibration_sweep(toy, cfg, 0, "identity")
     assert all(v["bon"] == v["bon_identity"] for v in ident.values())
+    # `global_calibration`: every prompt ranked among the C·K draws of all prompts pooled (same draws, same seed)
+    g = torch.Generator().manual_seed(3)
+    pooled = S.sampled_calibration(toy, 5, g, "global_calibration")
+    g = torch.Generator().manual_seed(3)
+    idx = torch.multinomial(toy.ref_logp.double().exp(), 5, replacement=True, generator=g)
+    base = [float(toy.r[c, i]) for c in range(len(toy.prompts)) for i in idx[c]]
+    for c, y in ((0, 3), (2, 50), (3, 200)):
+        r = float(toy.r[c, y])
+        assert float(pooled[c, y]) == pytest.approx(sum((b < r) + 0.5 * (b == r) for b in base) / len(base))
