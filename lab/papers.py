@@ -128,7 +128,7 @@ LIMITS: dict[str, tuple[str, ...]] = {
     "16_banditspec": ("0 < delta <= 1", "cr_scale_b >= 0", "n_prompts >= 1", "prompt_len >= 1", "gen_len >= 1",
                       "eagle_steps >= 0"),
     "17_over_tokenized": ("n >= 2", "k >= 1", "steps >= 1", "lr > 0", *_BLOCKS),
-    "19_cdpo": ("beta_ce >= 0", "gamma > 0", "0 <= held_out < n_problems", "n_samples >= 0",
+    "19_cdpo": ("beta_ce >= 0", "gamma >= 0", "0 <= held_out < n_problems", "n_samples >= 0",
                 "n_samples <= 0 or n_samples >= 2", "max_new_tokens >= 0", *_CKPT),
 }
 FREE: dict[str, tuple[str, ...]] = {

@@ -19,17 +19,19 @@ s_t marks a critical token.
 
 which is DPO when every s_t = 0. The official trainer instead pairs the t-th chosen and rejected
 tokens and averages −log σ(γ(h_w,t − (1 − s_t) h_l,t)) over positions: `variant="official_positionwise"`.
-Documented difference: the official mean runs over all positions, prompt included (there h = 0, a constant
-log 2 per position), so its loss and gradient are ours times L / (P + L) (6/13 here, ≈ 2.2× smaller); Adam's
-update is invariant to a constant loss scale (up to its ε and gradient clipping), so the lr sweep is unaffected.
+Documented differences from the official code: (1) its position-wise mean runs over prompt positions too (h = 0
+there), so its loss and gradient are ours times L / (P + L) (6/13 here), which Adam's update ignores (up to ε and
+clipping); (2) its trainer gives the EOS that TRL appends weight 1 (`ce_prob + [0]`), while here EOS is a sampled
+response token weighted by its own CE score; (3) its rollout rule falls back to the last critical prefix found
+before a reset, where `critical_tokens.critical_token` returns none (−1).
 
 Baselines (Table 3): DPO, RPO (DPO + the chosen response's per-token NLL) and TokenDPO (TDPO2 of Zeng et al. 2024,
 `lab.align.losses.tdpo`, α = 0.5, β = γ), each swept like cDPO. The paper starts TokenDPO from its SFT model; here
 every arm starts from the base, so that the arms differ in their loss alone (SFT itself, P_p, is reported beside).
 
-Toy conventions (documented differences): full fine-tuning of copies instead of LoRA; fixed-length
-responses, so no padding enters the position-wise mean; grading by the final digit (`TrickyArithmetic`);
-every arm swept over a shared lr grid including lr = 0 (the base), its lr picked on validation questions.
+Toy conventions: full fine-tuning of copies instead of LoRA; fixed-length responses (no padding in the
+position-wise mean); grading by the final digit (`TrickyArithmetic`); every arm swept over a shared lr grid
+including lr = 0 (the base), its lr picked on validation questions, at its own γ (`Config.gammas`).
 The toy's pipeline (`Config.for_scale`, `preference_pairs`, `contrastive_models`, `lr_sweep`, and
 `lab.align.critical_tokens.rollout_study` / `ce_agreement` for (a)) runs (a)–(c) end to end for the notebook.
 """
@@ -56,9 +58,16 @@ Grade = Callable[[Tensor, Tensor], Tensor]  # (question rows (m,), responses (m,
 
 CONTROLS = {  # the substitutions a skeptic would make; the notebook declares which claims each must break
     "dpo": "cDPO replaced by DPO: every token weight s_t set to 0 in training (Eq. 6 is then DPO)",
+    "uniform_s": "each s_t cDPO trains with set to its trajectory's mean s (same total weight, no token singled out)",
+    "shuffled_s": "each trajectory's s_t permuted over its positions (the same weights, on random tokens)",
     "swapped_ce": "contrastive estimation with P_p and P_n swapped: softmax((1+β)·logits_n − β·logits_p)",
     "random_token": "the rollout critical token replaced by a uniformly random response position",
 }
+
+# Best validation accuracy over the lr grid (lr > 0) per γ, seeds 0 and 1 (`scripts/cdpo_gamma_tuning.py 0 1`; seed 2
+# was not finished): `Config.gammas` takes each arm's γ of highest mean, DPO 1.0 and cDPO 0.5.
+GAMMA_TUNING = {"dpo": {"0.1": [0.523, 0.623], "0.5": [0.933, 0.67], "1.0": [0.987, 0.947]},
+                "cdpo": {"0.1": [0.8, 1.0], "0.5": [1.0, 0.913], "1.0": [0.897, 1.0]}}
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,9 @@ class Config:
     n_rollout: int = 100  # rejected trajectories studied by rollouts (at most)
     arms: tuple[str, ...] = ("dpo", "rpo", "tokendpo", "cdpo", "cdpo_positionwise")
     lrs: tuple[float, ...] = (0.0, 3e-5, 1e-4, 3e-4, 1e-3)  # lr = 0: the base itself (1e-5 left it unchanged)
+    # γ per arm: DPO's and cDPO's picked on validation over γ ∈ {0.1, 0.5, 1.0} × `lrs` (GAMMA_TUNING); others 0.1
+    gammas: tuple[tuple[str, float], ...] = (("dpo", 1.0), ("rpo", 0.1), ("tokendpo", 0.1), ("cdpo", 0.5),
+                                             ("cdpo_positionwise", 0.1))
     steps: int = 150  # preference training, every arm and lr
     batch_size: int = 32
     every: int = 20  # log the chosen / rejected log-likelihoods every this many steps
@@ -102,15 +114,28 @@ class Config:
     def task(self) -> TrickyArithmetic:
         return TrickyArithmetic(flip=self.flip, max_step=self.max_step, n_wordings=self.n_wordings)
 
+    def gamma(self, gamma: float = 0.0) -> dict[str, float]:
+        """{arm: γ}: each arm's own (`gammas`), or `gamma` for every arm when it is not 0."""
+        return {arm: gamma or dict(self.gammas)[arm] for arm in self.arms}
+
 
 def ce_models(pos, neg, control: str = "") -> tuple:
     """(P_p, P_n) as contrastive estimation uses them: swapped under the `swapped_ce` control."""
     return (neg, pos) if check_control(control, CONTROLS) == "swapped_ce" else (pos, neg)
 
 
-def training_scores(s: Tensor, control: str = "") -> Tensor:
-    """The CE scores cDPO trains with: s itself, or zeros under the `dpo` control (cDPO is then DPO)."""
-    return torch.zeros_like(s) if check_control(control, CONTROLS) == "dpo" else s
+def training_scores(s: Tensor, control: str = "", *, seed: int = 0) -> Tensor:
+    """The CE scores cDPO trains with: s itself; zeros under `dpo` (cDPO is then DPO); each row's mean under
+    `uniform_s`; each row permuted (a fixed random permutation per row, from `seed`) under `shuffled_s`."""
+    control = check_control(control, CONTROLS)
+    if control == "dpo":
+        return torch.zeros_like(s)
+    if control == "uniform_s":
+        return s.mean(-1, keepdim=True).expand_as(s).clone()
+    if control == "shuffled_s":
+        g = torch.Generator().manual_seed(seed)
+        return s.gather(-1, torch.stack([torch.randperm(s.shape[-1], generator=g) for _ in range(len(s))]).to(s.device))
+    return s
 
 
 # --------------------------------------------------------------------------------- (b) selection, CE
@@ -254,16 +279,19 @@ def contrastive_models(base, data: Pairs, cfg: Config, *, seed: int, device: str
     return pos, neg
 
 
-def lr_sweep(base, pairs: dict[str, Tensor], cfg: Config, *, gamma: float, seed: int, task: TrickyArithmetic,
-             val: dict[str, Tensor], test: dict[str, Tensor], device: str = "cpu") -> dict[tuple[str, float], dict]:
+def lr_sweep(base, pairs: dict[str, Tensor], cfg: Config, *, gamma: float | dict[str, float], seed: int,
+             task: TrickyArithmetic, val: dict[str, Tensor], test: dict[str, Tensor],
+             device: str = "cpu") -> dict[tuple[str, float], dict]:
     """Every arm of `cfg.arms` at every lr of `cfg.lrs`, from the base on the same pairs and steps (Table 3,
-    Fig. 4): {(arm, lr): {"val", "acc": greedy accuracy on `val` (to pick the lr) and on `test`, "log":
-    `train_arm`'s log}}. lr = 0 is the base itself (not trained; its log is flat). Each arm is a cached stage
-    keyed without the scores s unless it trains with them, so a control that changes only s retrains only cDPO."""
+    Fig. 4), at γ `gamma` (or `gamma[arm]`): {(arm, lr): {"val", "acc": greedy accuracy on `val` (to pick the lr)
+    and on `test`, "log": `train_arm`'s log, "rejected_drop"}}. lr = 0 is the base itself (not trained; its log is
+    flat). Each arm is a cached stage keyed without the scores s unless it trains with them, so a control that
+    changes only s retrains only cDPO."""
     results = {}
     for arm in cfg.arms:
         used = pairs if arm.startswith("cdpo") else {k: v for k, v in pairs.items() if k != "s"}
-        for lr, r in arm_sweep(base, used, arm, cfg, gamma=gamma, seed=seed, task=task, val=val, test=test,
+        g = gamma[arm] if isinstance(gamma, dict) else gamma
+        for lr, r in arm_sweep(base, used, arm, cfg, gamma=g, seed=seed, task=task, val=val, test=test,
                                device=device).items():
             results[arm, lr] = r
     return results
@@ -273,8 +301,11 @@ def lr_sweep(base, pairs: dict[str, Tensor], cfg: Config, *, gamma: float, seed:
 def arm_sweep(base, pairs: dict[str, Tensor], arm: str, cfg: Config, *, gamma: float, seed: int,
               task: TrickyArithmetic, val: dict[str, Tensor], test: dict[str, Tensor],
               device: str = "cpu") -> dict[float, dict]:
-    """One arm of `lr_sweep` at every lr of `cfg.lrs`: {lr: {"val", "acc", "log"}} (greedy accuracy draws nothing)."""
+    """One arm of `lr_sweep` at every lr of `cfg.lrs`: {lr: {"val", "acc", "log", "rejected_drop": (n, L) how far
+    training lowered each rejected token, log π_ref − log π_θ}} (greedy accuracy draws nothing)."""
     results, greedy = {}, torch.Generator()
+    with torch.no_grad():
+        ref_l = response_logps(base, pairs["prompt"], pairs["rejected"]).cpu()
     for lr in cfg.lrs:
         if lr == 0:
             policy = base
@@ -285,8 +316,11 @@ def arm_sweep(base, pairs: dict[str, Tensor], arm: str, cfg: Config, *, gamma: f
         else:
             policy, log = train_arm(base, pairs, arm, steps=cfg.steps, lr=lr, gamma=gamma,
                                     batch_size=cfg.batch_size, seed=seed, every=cfg.every)
+        with torch.no_grad():
+            drop = ref_l - response_logps(policy, pairs["prompt"], pairs["rejected"]).cpu()
         results[lr] = {"val": task.greedy_accuracy(policy, val, generator=greedy, device=device),
-                       "acc": task.greedy_accuracy(policy, test, generator=greedy, device=device), "log": log}
+                       "acc": task.greedy_accuracy(policy, test, generator=greedy, device=device), "log": log,
+                       "rejected_drop": drop}
     return results
 
 

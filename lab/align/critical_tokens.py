@@ -49,7 +49,9 @@ def rollout_correctness(model, prompts: Tensor, responses: Tensor, grade: Grade,
 
 def critical_token(c: Tensor, *, tol: float = 0.05) -> Tensor:
     """(n,) the first t with c_t = 0 and c_t' < tol for all t' > t (the paper's rule; the code's
-    "reset if a later prefix has > 3/64 correct" is tol = 3/64 with ≤); −1 where there is none."""
+    "reset if a later prefix has > 3/64 correct" is tol = 3/64 with ≤); −1 where there is none. Documented
+    difference: after such a reset the official rule falls back to the last prefix it had found
+    (`rollout_sampling_for_critical_tokens.py`, `last_min_predix`); here that trajectory has none (−1)."""
     later = torch.cat([c.flip(-1).cummax(-1).values.flip(-1)[..., 1:], torch.zeros(*c.shape[:-1], 1)], -1)
     ok = (c == 0) & (later < tol)
     return torch.where(ok.any(-1), ok.float().argmax(-1), -1)
@@ -109,16 +111,30 @@ def rollout_study(model, prompts: Tensor, rejected: Tensor, grade: Grade, *, K: 
 
 
 def ce_agreement(pos, neg, s: Tensor, prompts: Tensor, rejected: Tensor, chosen: Tensor, study: Rollouts, *,
-                 beta: float, device: str = "cpu") -> dict[str, float]:
+                 beta: float, free: Tensor | None = None, device: str = "cpu") -> dict[str, float]:
     """Top-1 agreement with the rollout critical token (where one was found) of argmin_t s_t, of P_p alone (β = 0),
-    of the named wrong variants (β's sign flipped, P_p / P_n swapped) and of the first token where rejected leaves
-    chosen."""
+    of the named wrong variants (β's sign flipped, P_p / P_n swapped) and of the heuristic "first token where
+    rejected leaves chosen", skipping positions where either holds one of the `free` token ids (the toy's wording
+    tokens, which would otherwise make it land on the wording by construction)."""
     def hit(t: Tensor) -> float:
         return (t == study.critical)[study.found].float().mean().item()
 
     x, y = prompts.to(device), rejected.to(device)
+    differ = chosen != rejected
+    if free is not None:
+        differ &= ~(torch.isin(chosen, free) | torch.isin(rejected, free))
     return {f"CE (β = {beta:g})": hit(s.argmin(1)),
             "P_p alone (β = 0)": hit(ce_scores(pos, neg, x, y, beta=0.0).argmin(1)),
             "β sign flipped": hit(ce_scores(pos, neg, x, y, beta=-beta).argmin(1)),
             "P_p / P_n swapped": hit(ce_scores(neg, pos, x, y, beta=beta).argmin(1)),
-            "first token differing from the chosen": hit((chosen != rejected).float().argmax(1))}
+            "first differing non-wording token": hit(differ.float().argmax(1))}
+
+
+def critical_focus(drop: Tensor, study: Rollouts) -> float:
+    """How much more training lowered the rollout critical token than the rest of its rejected trajectory: over the
+    trajectories with one, the mean of drop[t*] − mean_{t ≠ t*} drop[t] (nats), from `drop` (m, L) = log π_ref(y_t|·)
+    − log π_θ(y_t|·) on the first m rejected trajectories (`lab.align.cdpo.arm_sweep`'s "rejected_drop")."""
+    rows = study.found.nonzero()[:, 0]
+    d, t = drop[rows], study.critical[rows]
+    at = d.gather(1, t[:, None])[:, 0]
+    return (at - (d.sum(1) - at) / (d.shape[1] - 1)).mean().item()

@@ -183,12 +183,42 @@ def test_controls_substitute_exactly_what_they_name():
     as_dpo = C.arm_loss("cdpo", pi_w, ref_w, pi_l, ref_l, C.training_scores(w, "dpo"), gamma=0.3)
     assert as_dpo.item() == pytest.approx(dpo.item(), abs=1e-6)
     assert C.arm_loss("cdpo", pi_w, ref_w, pi_l, ref_l, w, gamma=0.3).item() != pytest.approx(dpo.item(), abs=1e-3)
+    for name in ("uniform_s", "shuffled_s"):  # they change the training scores only
+        assert C.ce_models(pos, neg, name) == (pos, neg)
+        assert CT.critical_or_random(torch.tensor([[0.5, 0.0, 0.0]]), name).tolist() == [1]
     c = torch.tensor([[0.5, 0.0, 0.0, 0.0, 0.0]] * 200)
     assert (CT.critical_or_random(c) == 1).all()
     rnd = CT.critical_or_random(c, "random_token", generator=torch.Generator().manual_seed(0))
     assert rnd.shape == (200,) and set(rnd.tolist()) == set(range(5))
     with pytest.raises(ValueError, match="not a control"):
         C.ce_models(pos, neg, "swap_ce")
+
+
+def test_uniform_and_shuffled_scores_keep_each_trajectorys_weights_and_move_only_where_they_fall():
+    """`uniform_s`: every s_t of a row is that row's mean (a hand-written loop); `shuffled_s`: each row is a
+    permutation of itself (the same multiset of weights), fixed by the seed, and differs from s somewhere."""
+    s = torch.rand(6, 5, generator=torch.Generator().manual_seed(7))
+    uni = C.training_scores(s, "uniform_s")
+    for i in range(6):
+        m = sum(s[i].tolist()) / 5
+        assert uni[i].tolist() == pytest.approx([m] * 5, abs=1e-6)
+    sh = C.training_scores(s, "shuffled_s", seed=3)
+    for i in range(6):
+        assert sorted(sh[i].tolist()) == sorted(s[i].tolist())
+    assert not torch.equal(sh, s) and torch.equal(sh, C.training_scores(s, "shuffled_s", seed=3))
+    assert not torch.equal(sh, C.training_scores(s, "shuffled_s", seed=4))
+    # with a uniform weight cDPO's rejected term is the row's mean weight times DPO's: a hand-written loss
+    pi_w, ref_w, pi_l, ref_l = rand_logps(B=6, L=5, seed=8)
+    margin = [(pi_w[i] - ref_w[i]).sum().item() - (1 - uni[i, 0].item()) * (pi_l[i] - ref_l[i]).sum().item()
+              for i in range(6)]
+    want = torch.tensor([-math.log(1 / (1 + math.exp(-0.2 * mg))) for mg in margin])
+    torch.testing.assert_close(C.cdpo_loss(pi_w, ref_w, pi_l, ref_l, uni, gamma=0.2), want, atol=1e-5, rtol=0)
+
+
+def test_config_gamma_per_arm_or_one_for_all():
+    cfg = C.Config()
+    assert cfg.gamma() == {"dpo": 1.0, "rpo": 0.1, "tokendpo": 0.1, "cdpo": 0.5, "cdpo_positionwise": 0.1}
+    assert cfg.gamma(0.3) == dict.fromkeys(cfg.arms, 0.3)
 
 
 # ------------------------------------------------------------------------------ the toy's pipeline
@@ -281,12 +311,18 @@ def test_pipeline_pairs_models_and_sweep_follow_the_steps_by_hand():
              "s": C.ce_scores(pos, neg, data.prompts, data.rejected)}
     test, val = (task.questions(30, torch.Generator().manual_seed(k)) for k in (5, 7))
     cfg = replace(cfg, lrs=(0.0, 1e-3))
-    res = C.lr_sweep(base, pairs, cfg, gamma=0.1, seed=6, task=task, val=val, test=test)
+    gammas = {"dpo": 0.1, "cdpo": 0.7}
+    res = C.lr_sweep(base, pairs, cfg, gamma=gammas, seed=6, task=task, val=val, test=test)
     assert list(res) == [("dpo", 0.0), ("dpo", 1e-3), ("cdpo", 0.0), ("cdpo", 1e-3)]
     for arm in cfg.arms:
-        policy, log = C.train_arm(base, pairs, arm, steps=2, lr=1e-3, gamma=0.1, batch_size=4, seed=6, every=1,
+        policy, log = C.train_arm(base, pairs, arm, steps=2, lr=1e-3, gamma=gammas[arm], batch_size=4, seed=6, every=1,
                                   quiet=True)
         assert res[arm, 1e-3]["log"] == log
+        with torch.no_grad():
+            drop = response_logps(base, pairs["prompt"], pairs["rejected"]) - response_logps(
+                policy, pairs["prompt"], pairs["rejected"])
+        torch.testing.assert_close(res[arm, 1e-3]["rejected_drop"], drop, atol=1e-6, rtol=0)
+        assert torch.equal(res[arm, 0.0]["rejected_drop"], torch.zeros_like(drop))
         for split, q in (("acc", test), ("val", val)):
             assert res[arm, 1e-3][split] == task.greedy_accuracy(policy, q, generator=torch.Generator())
             assert res[arm, 0.0][split] == task.greedy_accuracy(base, q, generator=torch.Generator())  # lr 0: the base

@@ -73,6 +73,20 @@ def test_ce_agreement_by_hand():
     got = CT.ce_agreement(always(5), always(7), s, x, y, chosen, study, beta=1.0)
     # P_p alone puts probability ~0 on every 7: its argmin is the 7 too
     assert got == {"CE (β = 1)": 1.0, "P_p alone (β = 0)": 1.0, "β sign flipped": 0.0, "P_p / P_n swapped": 0.0,
-                   "first token differing from the chosen": pytest.approx(2 / 3)}
+                   "first differing non-wording token": pytest.approx(2 / 3)}
     assert list(got) == ["CE (β = 1)", "P_p alone (β = 0)", "β sign flipped", "P_p / P_n swapped",
-                         "first token differing from the chosen"]
+                         "first differing non-wording token"]
+    # a free (wording) token 9 at position 0 where the trajectories part: skipped, the heuristic finds the 7 again
+    yw, cw = torch.cat([torch.full((4, 1), 9), y], 1), torch.cat([torch.full((4, 1), 8), chosen], 1)
+    sw = CT.Rollouts(torch.zeros(4, 3), study.critical + 1, study.found, [1], {}, [], 0.0)
+    hits = lambda free: CT.ce_agreement(always(5), always(7), C.ce_scores(always(5), always(7), x, yw), x, yw, cw, sw,
+                                        beta=1.0, free=free)["first differing non-wording token"]
+    assert hits(None) == 0.0 and hits(torch.tensor([8, 9])) == pytest.approx(2 / 3)
+
+
+def test_critical_focus_by_hand():
+    """Mean over trajectories with a critical token of drop[t*] − mean of the other positions' drops."""
+    drop = torch.tensor([[3.0, 1.0, 2.0], [0.0, 0.0, 6.0], [9.0, 9.0, 9.0]])
+    study = CT.Rollouts(torch.zeros(3, 2), torch.tensor([0, 2, -1]), torch.tensor([True, True, False]), [1], {}, [],
+                        0.0)
+    assert CT.critical_focus(drop, study) == pytest.approx(((3 - 1.5) + (6 - 0)) / 2)
