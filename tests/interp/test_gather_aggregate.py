@@ -84,15 +84,15 @@ def test_the_notebook_declares_the_documented_controls():
 
 def test_config_for_scale_and_controls():
     smoke, full = ga.Config.for_scale("smoke"), ga.Config.for_scale("full")
-    assert smoke == ga.Config() and (smoke.transformer_steps, smoke.mamba2_steps) == (1000, 260)
-    assert (full.transformer_steps, full.mamba2_steps, full.n_letter, full.n_rows) == (3000, 780, 1000, 256)
+    assert smoke == ga.Config() and (smoke.transformer_steps, smoke.mamba2_steps) == (600, 200)
+    assert (full.transformer_steps, full.mamba2_steps, full.n_letter, full.n_rows) == (1800, 600, 1000, 256)
     assert smoke.n_draws % 2 == 0  # layer_versus_random draws antithetic pairs
     untrained = ga.Config.for_scale("full", "untrained"), ga.Config.for_scale("smoke", "untrained")
     assert all(c.transformer_steps == c.mamba2_steps == c.hybrid_steps == 0 for c in untrained)
     assert (smoke.hybrid_steps, full.hybrid_steps, smoke.hybrid_batch_size) == (300, 900, 32)
     assert smoke.hybrid_layouts == ("MMA", "MAM")
     assert ga.Config.for_scale("smoke", "ssm_row") == smoke  # the control changes what is masked, not the models
-    assert ga.Config.for_scale("smoke", "shuffled") == smoke
+    assert ga.Config.for_scale("smoke", "shuffled") == ga.Config.for_scale("smoke", "cloze_prompts") == smoke
     with pytest.raises(ValueError, match="unknown control"):
         ga.Config.for_scale("smoke", "nope")
     with pytest.raises(AttributeError):
