@@ -20,7 +20,7 @@ runs this on `lab.data.instructions.InstructionWorld` for the notebook.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -35,7 +35,11 @@ from lab.models import TinyLM, TrainResult
 from lab.models.sample import sample_responses
 
 CONTROLS = {"random_filter": "RIP's filter replaced by a uniformly random subset of the valid pairs of the same size "
-                             "(on the pool and in Self-RIP's post-filter)"}
+                             "(on the pool and in Self-RIP's post-filter)",
+            "chosen_metrics": "the chosen response's reward and length in place of the rejected one's (m1 = r_w, "
+                              "m2 = |y_w|, their thresholds at the same percentiles; the gap rule unchanged)",
+            "large_gap": "the gap condition flipped, as Table 10's typo reads it: keep m3 > τ3 (τ3 unchanged); "
+                         "m1 and m2 unchanged"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class Pool:
     m3: Tensor  # reward gap
     valid: Tensor  # r_w > r_l
     r: Tensor | None = None
+    chosen_len: Tensor | None = None  # length of the chosen response (the `chosen_metrics` control's m2)
 
 
 def best_vs_worst(r: Tensor, length: Tensor) -> Pool:
@@ -87,7 +92,7 @@ def best_vs_worst(r: Tensor, length: Tensor) -> Pool:
     w = r.argmax(1)  # the first maximal index (torch's documented tie rule): the sorted list's head
     l = r.shape[1] - 1 - r.flip(1).argmin(1)  # the last minimal index: the sorted list's tail
     rw, rl = r[Q, w], r[Q, l]
-    return Pool(w, l, rw, rl, length[Q, l].float(), rw - rl, rw > rl, r)
+    return Pool(w, l, rw, rl, length[Q, l].float(), rw - rl, rw > rl, r, length[Q, w].float())
 
 
 def best_vs_bottom_quartile(pool: Pool, length: Tensor, generator: torch.Generator) -> Pool:
@@ -98,11 +103,19 @@ def best_vs_bottom_quartile(pool: Pool, length: Tensor, generator: torch.Generat
     bottom = pool.r.argsort(dim=1, stable=True)[:, :k]
     l = bottom[Q, torch.randint(k, (n,), generator=generator)]
     rw, rl = pool.r[Q, pool.w], pool.r[Q, l]
-    return Pool(pool.w, l, rw, rl, length[Q, l].float(), rw - rl, rw > rl, pool.r)
+    return Pool(pool.w, l, rw, rl, length[Q, l].float(), rw - rl, rw > rl, pool.r, length[Q, pool.w].float())
 
 
-def thresholds(pool: Pool, q: tuple[float, float, float] = (0.5, 0.5, 0.5)) -> tuple[float, float, float]:
-    """τ1, τ2, τ3: the q-quantiles of m1, m2, m3 over the valid pairs of the whole pool."""
+def chosen_side(pool: Pool) -> Pool:
+    """The pool as the `chosen_metrics` control reads it: m1 = r_w, m2 = |y_w| (the gap and the rest unchanged)."""
+    return replace(pool, m1=pool.chosen_reward, m2=pool.chosen_len)
+
+
+def thresholds(pool: Pool, q: tuple[float, float, float] = (0.5, 0.5, 0.5), control: str = "") -> tuple[float, ...]:
+    """τ1, τ2, τ3: the q-quantiles of m1, m2, m3 over the valid pairs of the whole pool (of the chosen side's m1
+    and m2 under the `chosen_metrics` control; every other control filters with RIP's thresholds)."""
+    if check_control(control, CONTROLS) == "chosen_metrics":
+        pool = chosen_side(pool)
     v = pool.valid
     if not v.any():
         raise ValueError("no valid pair (r_w > r_l) in the pool: nothing to filter.")
@@ -117,10 +130,16 @@ def keep(pool: Pool, tau: tuple[float, float, float]) -> Tensor:
 
 def rip_filter(pool: Pool, tau: tuple[float, float, float], control: str = "",
                generator: torch.Generator | None = None) -> Tensor:
-    """The filter the notebook applies as RIP: `keep(pool, tau)`, or under the `random_filter` control a
-    random subset of the valid pairs with as many members as RIP keeps (needs `generator`)."""
+    """The filter the notebook applies as RIP: `keep(pool, tau)`, or a control's substitute: `random_filter`, a
+    random subset of the valid pairs with as many members as RIP keeps (needs `generator`); `chosen_metrics`,
+    `keep` on `chosen_side(pool)` (give it `thresholds(..., control)`); `large_gap`, m3 > τ3 in place of m3 ≤ τ3."""
+    control = check_control(control, CONTROLS)
+    if control == "chosen_metrics":
+        return keep(chosen_side(pool), tau)
+    if control == "large_gap":
+        return pool.valid & (pool.m1 >= tau[0]) & (pool.m2 >= tau[1]) & (pool.m3 > tau[2])
     kept = keep(pool, tau)
-    if check_control(control, CONTROLS) == "random_filter":
+    if control == "random_filter":
         return random_subset(pool.valid, int(kept.sum()), generator)
     return kept
 
@@ -209,10 +228,14 @@ def make_pool(world: InstructionWorld, model, n: int, bad_frac: float, N: int, *
 def filter_sets(pool: Pool, tau: tuple[float, float, float], q: float, control: str = "",
                 generator: torch.Generator | None = None) -> dict[str, Tensor]:
     """Table 7's rows: the valid pool, RIP (`rip_filter`: a control substitutes it), a random subset of RIP's
-    size and the single-metric, chosen-based and large-gap filters of `single_filters` at q."""
+    size, the single-metric, chosen-based and large-gap filters of `single_filters` at q, and two variants of
+    RIP at q whatever the control: without m2 (m1 and m3 only) and on the chosen side (`chosen_side`)."""
     sets = {"full (valid pairs)": pool.valid, "RIP": rip_filter(pool, tau, control, generator)}
     sets["random, RIP's size"] = random_subset(pool.valid, int(sets["RIP"].sum()), generator)
     sets.update(single_filters(pool, q))
+    t1, _, t3 = thresholds(pool, (q, q, q))
+    sets["RIP without m2"] = pool.valid & (pool.m1 >= t1) & (pool.m3 <= t3)
+    sets["RIP on the chosen side"] = keep(chosen_side(pool), thresholds(pool, (q, q, q), "chosen_metrics"))
     return sets
 
 
@@ -259,18 +282,24 @@ def subset_pairs(world: InstructionWorld, prompts: dict[str, Tensor], Y: Tensor,
     return {k: v.to(device) for k, v in pairs.items()}
 
 
+def epoch_steps(cfg: Config, mask: Tensor) -> int:
+    """DPO steps for `cfg.dpo_epochs` epochs over the subset `mask` (at least one)."""
+    return max(1, round(cfg.dpo_epochs * int(mask.sum()) / cfg.dpo_batch))
+
+
 def dpo_on_subsets(world: InstructionWorld, model, prompts: dict[str, Tensor], Y: Tensor, pool: Pool,
                    subsets: dict[str, Tensor], cfg: Config, *, seed: int, eval_prompts: dict[str, Tensor],
-                   generator: torch.Generator, device: str = "cpu", loss: str = "dpo") -> dict[str, dict[str, float]]:
+                   generator: torch.Generator, device: str = "cpu", loss: str = "dpo",
+                   steps: int | None = None) -> dict[str, dict[str, float]]:
     """Identical DPO (or RPO, `loss="rpo"`) from `model` (also the reference) on each subset of the pool for
-    `cfg.dpo_epochs` epochs (Fig. 1, Tables 2 and 20); {subset: the result's judge reward on `eval_prompts`,
-    greedy and sampled}."""
+    `cfg.dpo_epochs` epochs, or for `steps` steps on every subset when given (Fig. 1, Tables 2 and 20);
+    {subset: the result's judge reward on `eval_prompts`, greedy and sampled}."""
     fn = (partial(dpo_loss, beta=cfg.dpo_beta) if loss == "dpo" else
           partial(rpo_loss, beta=cfg.dpo_beta, alpha=cfg.rpo_alpha))
     out = {}
     for name, mask in subsets.items():
-        steps = max(1, round(cfg.dpo_epochs * int(mask.sum()) / cfg.dpo_batch))
-        policy, _ = train_pairs(model, subset_pairs(world, prompts, Y, pool, mask, device), fn, steps=steps,
+        n = steps or epoch_steps(cfg, mask)
+        policy, _ = train_pairs(model, subset_pairs(world, prompts, Y, pool, mask, device), fn, steps=n,
                                 lr=cfg.dpo_lr, batch_size=cfg.dpo_batch, seed=seed, desc=f"{loss} {name}")
         out[name] = world.model_reward(policy, eval_prompts, generator, samples=cfg.eval_samples, device=device)
     return out

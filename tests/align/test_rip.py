@@ -121,6 +121,62 @@ def test_the_random_filter_control_keeps_rips_size_at_random():
         R.rip_filter(p, tau, "nope")
 
 
+def test_the_chosen_metrics_control_by_hand():
+    """m1 = r_w, m2 = |y_w| at their own medians; the gap rule and its threshold stay RIP's."""
+    r, length = toy_pool()
+    p = R.best_vs_worst(r, length)
+    # valid rows 0-4: r_w = 1.0, 0.9, 1.0, 0.9, 0.8 (median 0.9); |y_w| = 6, 5, 6, 6, 6 (median 6); gap median 0.2
+    assert R.thresholds(p, control="chosen_metrics") == pytest.approx((0.9, 6.0, 0.2))
+    tau = R.thresholds(p, control="chosen_metrics")
+    assert R.rip_filter(p, tau, "chosen_metrics").tolist() == [True, False, True, False, False, False]
+    assert R.thresholds(p, control="large_gap") == R.thresholds(p, control="random_filter") == R.thresholds(p)
+
+
+def reference_pool(r: torch.Tensor, length: torch.Tensor) -> list[dict]:
+    """Per prompt, in plain Python: the LumiOpen/rip pair and both sides' reward and length."""
+    rows = []
+    for rr, ll in zip(r.tolist(), length.tolist()):
+        w, l = lumiopen_pair(rr)
+        rows.append({"rw": rr[w], "rl": rr[l], "lw": ll[w], "ll": ll[l], "gap": rr[w] - rr[l], "valid": rr[w] > rr[l]})
+    return rows
+
+
+@pytest.mark.parametrize("control", ["", "chosen_metrics", "large_gap"])
+def test_controls_against_a_per_prompt_reference(control):
+    """RIP and its two wrong variants (the paper card's), each against numpy quantiles and a per-prompt loop:
+    `chosen_metrics` reads the chosen side's reward and length, `large_gap` keeps gaps above τ3; nothing else moves."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(1)
+    r = torch.randint(0, 7, (400, 8), generator=g).float() / 6
+    length = torch.randint(0, 8, (400, 8), generator=g)
+    rows = reference_pool(r, length)
+    side = ("rw", "lw") if control == "chosen_metrics" else ("rl", "ll")
+    vals = {k: np.array([row[k] for row in rows if row["valid"]], dtype=np.float64) for k in (*side, "gap")}
+    t1, t2, t3 = (np.quantile(vals[k], 0.5) for k in (*side, "gap"))
+    want = [row["valid"] and row[side[0]] >= t1 - 1e-6 and row[side[1]] >= t2
+            and (row["gap"] > t3 + 1e-6 if control == "large_gap" else row["gap"] <= t3 + 1e-6) for row in rows]
+    p = R.best_vs_worst(r, length)
+    tau = R.thresholds(p, control=control)
+    assert tau == pytest.approx((t1, t2, t3), abs=1e-6)
+    got = R.rip_filter(p, tau, control)
+    assert got.tolist() == want and 0 < int(got.sum()) < int(p.valid.sum())
+
+
+@pytest.mark.parametrize("control", ["random_filter", "chosen_metrics", "large_gap"])
+def test_a_control_changes_only_rips_row(control):
+    """Under a control, Table 7's rows other than RIP (and the random subset of its size) are the method's."""
+    g = torch.Generator().manual_seed(2)
+    r = torch.randint(0, 7, (300, 8), generator=g).float() / 6
+    p = R.best_vs_worst(r, torch.randint(0, 8, (300, 8), generator=g))
+    base = R.filter_sets(p, R.thresholds(p), 0.5, "", torch.Generator().manual_seed(0))
+    ctl = R.filter_sets(p, R.thresholds(p, control=control), 0.5, control, torch.Generator().manual_seed(0))
+    assert list(ctl) == list(base)
+    assert ctl["RIP"].tolist() != base["RIP"].tolist()
+    for name in set(base) - {"RIP", "random, RIP's size"}:
+        assert ctl[name].tolist() == base[name].tolist(), name
+
+
 # ------------------------------------------------------------------------------ the toy's protocol
 
 WORLD = InstructionWorld()
@@ -128,6 +184,7 @@ WORLD = InstructionWorld()
 
 def test_config_lists_the_sizes_of_each_scale():
     smoke, full = R.Config.for_scale("smoke"), R.Config.for_scale("full", "random_filter")
+    assert all(R.Config.for_scale("smoke", c) == smoke for c in R.CONTROLS)
     assert (smoke.n_pool, smoke.n_samples, smoke.n_eval, smoke.n_fresh, smoke.dpo_epochs) == (800, 8, 400, 400, 2.0)
     assert (full.n_pool, full.n_samples, full.n_eval, full.n_fresh, full.dpo_epochs) == (3000, 16, 1000, 1500, 3.0)
     assert (smoke.dpo_beta, smoke.dpo_lr, smoke.dpo_batch, smoke.fresh_bad_frac) == (0.1, 1e-4, 32, 0.3)
@@ -165,6 +222,9 @@ def test_filter_sets_are_table_7s_rows_drawn_in_order():
     g = torch.Generator().manual_seed(3)
     assert sets["random, RIP's size"].tolist() == R.random_subset(p.valid, 3, g).tolist()
     assert all(sets[k].tolist() == v.tolist() for k, v in R.single_filters(p, 0.5).items())
+    # RIP without m2 (median m1 0.7, median gap 0.2) and RIP on the chosen side (by hand above)
+    assert sets["RIP without m2"].tolist() == [True, True, True, False, False, False]
+    assert sets["RIP on the chosen side"].tolist() == [True, False, True, False, False, False]
     # the control draws its subset first, then the equal-size random row
     g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
     ctl = R.filter_sets(p, tau, 0.5, "random_filter", g1)
@@ -224,8 +284,9 @@ def test_seed_model_is_the_tiny_llama_fit_on_the_world():
     assert all(torch.equal(a, b) for a, b in zip(run.model.parameters(), ref.model.parameters()))
 
 
-@pytest.mark.parametrize("loss", ["dpo", "rpo"])
-def test_dpo_on_subsets_is_train_pairs_for_equal_epochs_then_the_clean_reward(loss):
+@pytest.mark.parametrize("loss, fixed", [("dpo", None), ("rpo", None), ("dpo", 5)])
+def test_dpo_on_subsets_is_train_pairs_for_equal_epochs_then_the_clean_reward(loss, fixed):
+    """Equal epochs by default (steps ∝ the subset's size); `steps` gives every subset the same number."""
     torch.manual_seed(0)
     model = tiny_llama(vocab_size=len(WORLD.tokenizer), d_model=16, n_layers=1, n_heads=2, max_len=20).eval()
     g = torch.Generator().manual_seed(5)
@@ -234,7 +295,7 @@ def test_dpo_on_subsets_is_train_pairs_for_equal_epochs_then_the_clean_reward(lo
     cfg = replace(R.Config(), dpo_epochs=1.0, dpo_batch=4, eval_samples=2)
     subsets = {"a": pool.valid, "b": pool.valid & (torch.arange(24) % 2 == 0)}
     got = R.dpo_on_subsets(WORLD, model, p, Y, pool, subsets, cfg, seed=1, eval_prompts=evalp,
-                           generator=torch.Generator().manual_seed(9), loss=loss)
+                           generator=torch.Generator().manual_seed(9), loss=loss, steps=fixed)
 
     def by_hand(b):  # the loss as written out by hand; RPO adds the chosen response's per-token NLL
         h = (b["pi_w"].sum(-1) - b["ref_w"].sum(-1)) - (b["pi_l"].sum(-1) - b["ref_l"].sum(-1))
@@ -245,7 +306,8 @@ def test_dpo_on_subsets_is_train_pairs_for_equal_epochs_then_the_clean_reward(lo
     for name, m in subsets.items():
         pairs = R.subset_pairs(WORLD, p, Y, pool, m)
         pairs["chosen_mask_"] = pairs["chosen_mask"]  # an extra, so the hand-written loss sees it per batch
-        steps = max(1, round(int(m.sum()) / 4))  # one epoch: as many steps as batches of 4 in the subset
+        steps = fixed or max(1, round(int(m.sum()) / 4))  # one epoch: as many steps as batches of 4 in the subset
+        assert R.epoch_steps(cfg, m) == max(1, round(int(m.sum()) / 4))
         policy, _ = train_pairs(model, pairs, lambda b: by_hand({**b, "chosen_mask": b["chosen_mask_"]}),
                                 steps=steps, lr=1e-4, batch_size=4, seed=1, quiet=True)
         want = WORLD.model_reward(policy, evalp, g, samples=2)
